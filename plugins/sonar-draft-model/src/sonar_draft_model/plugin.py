@@ -1,0 +1,77 @@
+"""Hook implementations of the ``draft_model`` method."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from sonar_core.config import SpeculativeConfig, TargetInfo
+from sonar_core.errors import ConfigError
+from sonar_core.models.loader import load_model, load_tokenizer
+from sonar_core.plugins import MethodRegistry, MethodSpec, hookimpl
+from sonar_core.spec_decode.proposer import Proposer, ProposerContext
+from sonar_draft_model.proposer import DraftModelProposer
+from sonar_draft_model.vocab import VocabularyIntersection
+
+METHOD = "draft_model"
+
+
+class DraftModelOptions(BaseModel):
+    """The method has no options beyond the core fields; unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) -> Proposer:
+    """Load the draft checkpoint (or take the one loaded by the weights hook) and wrap it."""
+    config = context.speculative_config
+    loaded = (weights or {}).get("draft") or load_model(config.model, context.dtype, context.device)
+    vocab = None
+    if config.use_heterogeneous_vocab:
+        vocab = VocabularyIntersection(context.target_tokenizer, load_tokenizer(loaded), context.device)
+    return DraftModelProposer(
+        loaded.model,
+        context.device,
+        probabilistic=config.draft_sample_method == "probabilistic",
+        vocab=vocab,
+    )
+
+
+@hookimpl
+def sonar_register_methods(registry: MethodRegistry) -> None:
+    registry.register(
+        MethodSpec(
+            name=METHOD,
+            create_proposer=create_proposer,
+            description="A smaller causal language model drafts autoregressively",
+            options_model=DraftModelOptions,
+        )
+    )
+
+
+@hookimpl
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None
+) -> list[str] | None:
+    """The draft checkpoint must exist, be a supported architecture and share the vocabulary."""
+    if config.method != METHOD:
+        return None
+    if not config.model:
+        raise ConfigError(
+            field="model",
+            message="draft_model drafts with a separate checkpoint, and none was given",
+            fix='set "model" to the draft checkpoint (a folder with config.json or a .gguf file)',
+        )
+    draft = TargetInfo.from_model(config.model)
+    if target is not None and draft.vocab_size != target.vocab_size and not config.use_heterogeneous_vocab:
+        raise ConfigError(
+            field="model",
+            message=(
+                f"the draft vocabulary has {draft.vocab_size} tokens and the target's has "
+                f"{target.vocab_size}; draft_model needs the same vocabulary"
+            ),
+            fix='use a draft of the same model family, or set "use_heterogeneous_vocab": true '
+            "(greedy drafting through the tokens both vocabularies share)",
+        )
+    return None

@@ -1,0 +1,279 @@
+"""The engine: requests in, one step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import torch
+
+from sonar_core.config import EngineConfig
+from sonar_core.engine.block_manager import BlockManager
+from sonar_core.engine.detokenizer import IncrementalDetokenizer
+from sonar_core.engine.kv_budget import plan_kv_blocks
+from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
+from sonar_core.engine.request_errors import RequestError
+from sonar_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from sonar_core.engine.sequence import Sequence
+from sonar_core.engine.stop_checker import apply_stop_conditions
+from sonar_core.layers.attention import allocate_kv_cache
+from sonar_core.models.loader import load_model, load_tokenizer
+from sonar_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sonar_core.sample.sampler import make_generator
+from sonar_core.sampling_params import SamplingParams
+from sonar_core.spec_decode.factory import build_speculator
+from sonar_core.spec_decode.metrics import SpecDecodingStats
+from sonar_core.spec_decode.speculator import Speculator
+from sonar_core.spec_decode.verifier import Verifier
+
+logger = logging.getLogger("sonar.engine")
+
+
+class LLMEngine:
+    """Continuous-batching engine with optional speculative decoding.
+
+    One :meth:`step` is: schedule -> run the target over every request's new tokens and drafts ->
+    sample or verify -> update requests (stop conditions, detokenization) -> propose next drafts.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.tokenizer = load_tokenizer(loaded)
+        self.model_name = config.model or loaded.model_dir.name
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        if self.max_model_len > loaded.max_model_len:
+            raise RequestError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit "
+                f"(max_position_embeddings={loaded.max_model_len}); lower --max-model-len."
+            )
+        self.spec_stats = SpecDecodingStats(
+            num_speculative_tokens=(config.speculative_config.num_speculative_tokens
+                                    if config.speculative_config else 0)
+        )
+        plan = build_speculator(config, loaded, self.tokenizer, self.max_model_len)
+        target_specs = self.model.kv_cache_specs()
+        proposer_specs = list(plan.capabilities.kv_layers) if plan else []
+        num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len)
+        caches = allocate_kv_cache(target_specs + proposer_specs, num_blocks, config.block_size, self.dtype,
+                                   self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens or max(2048, self.max_model_len),
+            on_preempt=self._on_preempt,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            caches[: len(target_specs)],
+            config.block_size,
+            self.device,
+            capture_layers=plan.capabilities.target_hidden_layers if plan else (),
+        )
+        self.speculator: Speculator | None = None
+        if plan is not None:
+            self.speculator = Speculator(
+                plan.proposer,
+                plan.num_speculative_tokens,
+                plan.draft_max_model_len,
+                self.block_manager,
+                caches[len(target_specs) :],
+                self.device,
+            )
+        self.verifier = Verifier(self.device)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens%s",
+            self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
+            f" speculative={config.speculative_config.method}" if plan else "",
+        )
+
+    # ----------------------------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raise :class:`RequestError` when it cannot be served as given."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids, params)
+        seed = params.seed
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids),
+            generator=make_generator(seed, self.device) if seed is not None else None,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        budget = self.max_model_len - len(token_ids)
+        if budget < 1:
+            raise RequestError(
+                f"the prompt has {len(token_ids)} tokens; this model's max_model_len is "
+                f"{self.max_model_len}: shorten the prompt"
+            )
+        if params.max_tokens is not None and params.max_tokens > budget:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
+                f"max_model_len={self.max_model_len}: lower max_tokens to at most {budget}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free everything it holds; unknown ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        seq.finish_reason = "abort"
+        self._release(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of requests that emitted text or finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            if item.seq.metrics.first_scheduled_time is None:
+                item.seq.metrics.first_scheduled_time = now
+        run = self.runner.execute(sched)
+        result = self.verifier(run, sched.scheduled)
+        outputs = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
+        self._propose(sched, run, result.num_accepted)
+        return outputs
+
+    def _update(
+        self,
+        sched: SchedulerOutput,
+        emitted: list[list[int]],
+        num_accepted: list[int],
+        logprobs: list[list[float] | None],
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for item, tokens, accepted, token_logprobs in zip(
+            sched.scheduled, emitted, num_accepted, logprobs, strict=True
+        ):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if not item.samples:
+                continue
+            if item.draft_token_ids:
+                self.spec_stats.observe_draft(len(item.draft_token_ids), accepted)
+                seq.num_computed_tokens += accepted
+            seq.clear_drafts()
+            before_text = len(seq.detokenizer.text)
+            kept = apply_stop_conditions(seq, tokens)
+            seq.num_unproposed_tokens += len(kept)
+            if token_logprobs is not None:
+                seq.output_logprobs.extend(token_logprobs[: len(kept)])
+            self._record_timing(seq, len(kept), now)
+            if seq.finish_reason is not None:
+                self._requests.pop(seq.request_id, None)
+                self._release(seq)
+                seq.metrics.finished_time = now
+            outputs.append(self._output(seq, kept, seq.detokenizer.text[before_text:]))
+        return outputs
+
+    @staticmethod
+    def _record_timing(seq: Sequence, num_tokens: int, now: float) -> None:
+        if num_tokens == 0:
+            return
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            num_tokens -= 1
+        elif metrics.last_token_time is not None:
+            gap = (now - metrics.last_token_time) / num_tokens
+            metrics.inter_token_latencies.extend([gap] * num_tokens)
+        metrics.last_token_time = now
+
+    def _propose(self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int]) -> None:
+        if self.speculator is None:
+            return
+        seqs: list[Sequence] = []
+        budgets: list[int] = []
+        rows: list[slice] = []
+        for item, accepted, span in zip(sched.scheduled, num_accepted, run.hidden_rows, strict=True):
+            if not item.samples or item.seq.is_finished:
+                continue
+            seqs.append(item.seq)
+            budgets.append(self.speculator.draft_budget(item.seq, self.max_model_len))
+            rows.append(slice(span.start, span.start + item.num_new_tokens + accepted))
+        if seqs:
+            self.speculator.propose(seqs, budgets, run.captured, rows)
+
+    def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
+        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=seq.detokenizer.text,
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=sum(logprobs) if logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.finish_reason is not None,
+            metrics=seq.metrics,
+            delta_text=delta_text,
+            delta_token_ids=list(delta_ids),
+        )
+
+    # -------------------------------------------------------------------------------- lifecycle
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    # -------------------------------------------------------------------------------- inspection
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage

@@ -1,0 +1,78 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sonar_core.engine.detokenizer import IncrementalDetokenizer
+from sonar_core.outputs import RequestMetrics
+from sonar_core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens, KV blocks, pending drafts and output bookkeeping.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV entries in the target's cache are
+    valid. After a verify step it stops right after the last accepted draft, so the KV entries of
+    rejected drafts are simply overwritten by the next step: that is the rollback.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Drafts proposed after the previous step, to be verified in the next one.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # [len(draft_token_ids), vocab] draft probabilities, or None for one-hot drafts.
+    draft_probs: torch.Tensor | None = None
+    # Tokens appended since the proposer last saw this request (it catches up over them).
+    num_unproposed_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    proposer_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every known token but the newest has its KV computed (decode phase)."""
+        return self.num_computed_tokens >= self.num_tokens - 1
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None

@@ -1,0 +1,74 @@
+"""Every hook of Sonar's plugin system, in one module.
+
+A plugin is a module (or object) with functions marked ``@hookimpl`` whose names match the specs
+below; it is found through the ``sonar`` entry-point group. Each spec says how the results of several
+plugins combine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from sonar_core.config import SpeculativeConfig, TargetInfo
+    from sonar_core.plugins.registry import MethodRegistry
+    from sonar_core.spec_decode.proposer import Proposer, ProposerContext
+
+PROJECT_NAME = "sonar"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def sonar_register_methods(registry: MethodRegistry) -> None:
+    """Register speculation methods with ``registry.register(MethodSpec(...), aliases=(...))``.
+
+    Called once per plugin manager, for every plugin; each call adds to the same registry. A method
+    name or alias that two plugins register is an error naming both distributions.
+    """
+
+
+@hookspec(firstresult=True)
+def sonar_resolve_method_alias(method: str, target: TargetInfo | None) -> str | None:
+    """Map a method name that is not registered as-is to a canonical one, or return None.
+
+    For aliases that depend on the target (an old model-family name that maps to a generic method).
+    Static aliases belong in ``registry.register(..., aliases=...)``. The first non-None answer wins.
+    """
+
+
+@hookspec
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None
+) -> list[str] | None:
+    """Check the rules of the plugin's own methods; ignore configurations of other methods.
+
+    Raise :class:`sonar_core.errors.ConfigError` (naming the field and the fix) for an invalid
+    configuration; return warnings (one string each) for a valid but doubtful one. Results of all
+    plugins are concatenated.
+    """
+
+
+@hookspec(firstresult=True)
+def sonar_load_proposer_weights(
+    config: SpeculativeConfig, context: ProposerContext
+) -> dict[str, Any] | None:
+    """Load the draft weights the configured method needs (from ``config.model`` or the target).
+
+    Return a state dict, or None when this plugin does not own ``config.method``. The first non-None
+    answer wins; its result is handed to the method's proposer factory.
+    """
+
+
+@hookspec(firstresult=True)
+def sonar_create_proposer(
+    config: SpeculativeConfig, context: ProposerContext, weights: dict[str, Any] | None
+) -> Proposer | None:
+    """Build the proposer for ``config.method``, or return None when this plugin does not own it.
+
+    The default implementation in core builds it from the registered ``MethodSpec.create_proposer``;
+    a plugin overrides it only when construction needs more than the method's factory.
+    """

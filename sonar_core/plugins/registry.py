@@ -1,0 +1,215 @@
+"""The registry of speculation methods that plugins fill through ``sonar_register_methods``."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from sonar_core.errors import ConfigError, DuplicateMethodError
+
+if TYPE_CHECKING:
+    from sonar_core.spec_decode.proposer import Proposer, ProposerContext
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One speculation method as a plugin provides it.
+
+    ``create_proposer(context, weights)`` builds the proposer; ``options_model`` is a pydantic model
+    (``extra="forbid"``) of the method's own options beyond the documented core fields; unknown keys
+    are rejected with the key and the method named.
+    """
+
+    name: str
+    create_proposer: Callable[[ProposerContext, dict[str, Any] | None], Proposer]
+    description: str = ""
+    options_model: type[BaseModel] | None = None
+    # Filled in by the registry from the plugin's distribution.
+    distribution: str = field(default="", compare=False)
+    version: str = field(default="", compare=False)
+
+
+# The old model-family names of ``mtp`` (vLLM's list), kept so that existing configurations keep
+# working; the MTP plugin registers them as aliases and core names its package when it is missing.
+MTP_LEGACY_METHOD_NAMES: tuple[str, ...] = (
+    "deepseek_mtp",
+    "dots3_note_mtp",
+    "mimo_mtp",
+    "mimo_v2_mtp",
+    "glm4_moe_mtp",
+    "glm4_moe_lite_mtp",
+    "glm_ocr_mtp",
+    "glm5_next_mtp",
+    "ernie_mtp",
+    "nemotron_h_mtp",
+    "exaone_moe_mtp",
+    "exaone4_5_mtp",
+    "qwen3_next_mtp",
+    "qwen4_exp_mtp",
+    "qwen3_5_mtp",
+    "longcat_flash_mtp",
+    "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp",
+    "minimax_m3_mtp",
+    "kimi_k3_mtp",
+    "pangu_ultra_moe_mtp",
+    "step3p5_mtp",
+    "hy_v3_mtp",
+    "hy_v4_mtp",
+    "gemma4_mtp",
+    "inkling_mtp",
+)
+
+# Sonar's own method names (every method of the user documentation, plus the old MTP names) and the
+# distribution that provides each: an unknown method that appears here gets "pip install <package>"
+# as its fix. This is the one place that knows which package owns which of Sonar's methods.
+SONAR_METHOD_PACKAGES: Mapping[str, str] = MappingProxyType(
+    {
+        "mtp": "sonar-mtp",
+        **dict.fromkeys(MTP_LEGACY_METHOD_NAMES, "sonar-mtp"),
+        "dspark": "sonar-dspark",
+        "dflash": "sonar-dflash",
+        "eagle": "sonar-eagle",
+        "eagle3": "sonar-eagle",
+        "extract_hidden_states": "sonar-eagle",
+        "draft_model": "sonar-draft-model",
+        "mlp_speculator": "sonar-mlp-speculator",
+        "medusa": "sonar-medusa",
+        "ngram": "sonar-ngram",
+        "ngram_gpu": "sonar-ngram",
+        "suffix": "sonar-suffix",
+        "custom_class": "sonar-core",
+    }
+)
+
+
+class MethodRegistry:
+    """Every speculation method of this process, by name and by alias.
+
+    Plugins fill it through ``sonar_register_methods``; the plugin manager wraps each plugin's call
+    in :meth:`registering_for` so that every :class:`MethodSpec` carries the distribution and
+    version that provide it, and a clash names both distributions.
+    """
+
+    def __init__(self) -> None:
+        self._methods: dict[str, MethodSpec] = {}
+        self._aliases: dict[str, str] = {}
+        self._source: tuple[str, str] | None = None
+        # Distributions (normalised names) whose entry points were found but not loaded because of
+        # the allow-list, with those entry-point names, so that an unknown method can say why it is
+        # missing.
+        self.not_loaded: dict[str, str] = {}
+
+    @contextmanager
+    def registering_for(self, distribution: str, version: str) -> Iterator[None]:
+        """Stamp every registration made inside the block with ``distribution`` and ``version``."""
+        previous = self._source
+        self._source = (distribution, version)
+        try:
+            yield
+        finally:
+            self._source = previous
+
+    def register(self, spec: MethodSpec, aliases: Iterable[str] = ()) -> None:
+        """Add ``spec`` under ``spec.name`` and each alias.
+
+        Raises :class:`~sonar_core.errors.DuplicateMethodError` when the name or an alias is
+        already taken (by any plugin, this one included); nothing is registered then.
+        """
+        if not isinstance(spec, MethodSpec):
+            raise TypeError(f"register() takes a MethodSpec, got {type(spec).__name__}")
+        if self._source is not None:
+            spec = replace(spec, distribution=self._source[0], version=self._source[1])
+        _check_name(spec.name)
+        new_aliases = [alias for alias in dict.fromkeys(aliases) if alias != spec.name]
+        for name in (spec.name, *new_aliases):
+            _check_name(name)
+            holder = self.get(name)
+            if holder is not None:
+                raise DuplicateMethodError(name, _owner(holder), _owner(spec))
+        self._methods[spec.name] = spec
+        for alias in new_aliases:
+            self._aliases[alias] = spec.name
+
+    def get(self, name: str) -> MethodSpec | None:
+        """The method registered under ``name`` or under ``name`` as an alias, or None."""
+        return self._methods.get(self._aliases.get(name, name))
+
+    def canonical_name(self, name: str) -> str | None:
+        """``name`` itself when it is a method, the method it is an alias of, or None."""
+        spec = self.get(name)
+        return spec.name if spec is not None else None
+
+    def resolve(self, name: str) -> MethodSpec:
+        """The method for ``name`` (method or alias); an unknown name is a :class:`ConfigError`
+        that lists the installed methods and, for Sonar's own methods, the package to install."""
+        spec = self.get(name)
+        if spec is None:
+            raise self.unknown_method_error(name)
+        return spec
+
+    def methods(self) -> list[MethodSpec]:
+        """Every registered method, sorted by name."""
+        return [self._methods[name] for name in sorted(self._methods)]
+
+    def names(self) -> list[str]:
+        """Every registered method name (aliases excluded), sorted."""
+        return sorted(self._methods)
+
+    def aliases_of(self, name: str) -> tuple[str, ...]:
+        """The aliases registered for the method ``name``, sorted."""
+        return tuple(sorted(alias for alias, target in self._aliases.items() if target == name))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def __iter__(self) -> Iterator[MethodSpec]:
+        return iter(self.methods())
+
+    def __len__(self) -> int:
+        return len(self._methods)
+
+    def unknown_method_error(self, name: str, field: str = "speculative_config.method") -> ConfigError:
+        """The error for a method name that is neither registered nor an alias."""
+        installed = ", ".join(self.names()) or "none"
+        package = SONAR_METHOD_PACKAGES.get(name)
+        if package is not None and package in self.not_loaded:
+            return ConfigError(
+                field,
+                f"method {name!r} comes from {package}, which is installed but not loaded: the "
+                f"SONAR_PLUGINS allow-list leaves out its entry point {self.not_loaded[package]!r}. "
+                f"Loaded methods: {installed}",
+                f"add {self.not_loaded[package]!r} to SONAR_PLUGINS, or unset SONAR_PLUGINS to load every plugin",
+            )
+        if package is not None:
+            return ConfigError(
+                field,
+                f"method {name!r} is not installed. Installed methods: {installed}",
+                f"install the package that provides it: pip install {package}",
+            )
+        known = [*self._methods, *self._aliases, *SONAR_METHOD_PACKAGES]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return ConfigError(
+            field,
+            f"{name!r} is not a speculation method. Installed methods: {installed}",
+            f"{hint}use one of the installed methods, or install the plugin that provides {name!r} "
+            "(`aphrodite plugins` lists what is installed)",
+        )
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name or any(ch.isspace() for ch in name):
+        raise ValueError(f"a method name or alias must be a non-empty string without spaces, got {name!r}")
+
+
+def _owner(spec: MethodSpec) -> str:
+    if not spec.distribution:
+        return "a plugin registered without a distribution"
+    return f"{spec.distribution} {spec.version}".strip()
