@@ -5,20 +5,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+
 import torch
 
-from sonar_core.config import EngineConfig
+from sonar_core.config import EngineConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.kv_budget import plan_kv_blocks
 from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
 from sonar_core.engine.request_errors import RequestError
-from sonar_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from sonar_core.engine.scheduler import Scheduler, SchedulerOutput
 from sonar_core.engine.sequence import Sequence
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.layers.attention import allocate_kv_cache
-from sonar_core.models.loader import load_model, load_tokenizer
+from sonar_core.models.loader import DEFAULT_MODEL_NAME, load_model, load_tokenizer
 from sonar_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sonar_core.plugins.manager import SonarPluginManager, get_plugin_manager
 from sonar_core.sample.sampler import make_generator
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode.factory import build_speculator
@@ -36,7 +38,11 @@ class LLMEngine:
     sample or verify -> update requests (stop conditions, detokenization) -> propose next drafts.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, plugin_manager: SonarPluginManager | None = None) -> None:
+        # Every configuration rule runs before any weight loads.
+        plugin_manager = plugin_manager or get_plugin_manager()
+        validated = validate_config(config, plugin_manager)
+        config = validated.engine
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -45,19 +51,17 @@ class LLMEngine:
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = load_tokenizer(loaded)
-        self.model_name = config.model or loaded.model_dir.name
+        self.model_name = config.model or DEFAULT_MODEL_NAME
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.max_model_len = config.max_model_len or loaded.max_model_len
-        if self.max_model_len > loaded.max_model_len:
-            raise RequestError(
-                f"max_model_len={self.max_model_len} exceeds the model's limit "
-                f"(max_position_embeddings={loaded.max_model_len}); lower --max-model-len."
-            )
+        self.max_model_len = config.max_model_len
+        speculative = validated.speculative
         self.spec_stats = SpecDecodingStats(
-            num_speculative_tokens=(config.speculative_config.num_speculative_tokens
-                                    if config.speculative_config else 0)
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0
         )
-        plan = build_speculator(config, loaded, self.tokenizer, self.max_model_len)
+        plan = build_speculator(
+            speculative, self.model, self.hf_config, self.tokenizer, self.dtype, self.device,
+            self.max_model_len, plugin_manager,
+        )
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len)
@@ -67,7 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens or max(2048, self.max_model_len),
+            config.token_budget(self.max_model_len),
             on_preempt=self._on_preempt,
         )
         self.runner = ModelRunner(
@@ -86,9 +90,11 @@ class LLMEngine:
                 self.block_manager,
                 caches[len(target_specs) :],
                 self.device,
+                adaptive_depth=plan.adaptive_depth,
             )
         self.verifier = Verifier(self.device)
         self._requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
         self._ids = itertools.count()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens%s",
@@ -178,7 +184,9 @@ class LLMEngine:
         run = self.runner.execute(sched)
         result = self.verifier(run, sched.scheduled)
         outputs = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
-        self._propose(sched, run, result.num_accepted)
+        num_drafted = self._propose(sched, run, result.num_accepted)
+        if self.speculator is not None:
+            self.speculator.observe_step(sched.num_tokens, num_drafted, time.monotonic() - now)
         return outputs
 
     def _update(
@@ -199,6 +207,7 @@ class LLMEngine:
                 continue
             if item.draft_token_ids:
                 self.spec_stats.observe_draft(len(item.draft_token_ids), accepted)
+                self.speculator.observe_verification(seq, len(item.draft_token_ids), accepted)
                 seq.num_computed_tokens += accepted
             seq.clear_drafts()
             before_text = len(seq.detokenizer.text)
@@ -227,9 +236,10 @@ class LLMEngine:
             metrics.inter_token_latencies.extend([gap] * num_tokens)
         metrics.last_token_time = now
 
-    def _propose(self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int]) -> None:
+    def _propose(self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int]) -> int:
+        """Ask the proposer for the next step's drafts; return how many tokens it drafted."""
         if self.speculator is None:
-            return
+            return 0
         seqs: list[Sequence] = []
         budgets: list[int] = []
         rows: list[slice] = []
@@ -239,8 +249,10 @@ class LLMEngine:
             seqs.append(item.seq)
             budgets.append(self.speculator.draft_budget(item.seq, self.max_model_len))
             rows.append(slice(span.start, span.start + item.num_new_tokens + accepted))
-        if seqs:
-            self.speculator.propose(seqs, budgets, run.captured, rows)
+        if not seqs:
+            return 0
+        self.speculator.propose(seqs, budgets, run.captured, rows)
+        return sum(len(seq.draft_token_ids) for seq in seqs)
 
     def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
@@ -271,6 +283,7 @@ class LLMEngine:
             self.speculator.release(seq)
 
     def _on_preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         if self.speculator is not None:
             self.speculator.release(seq)
 

@@ -6,6 +6,7 @@ import torch
 
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.sequence import Sequence
+from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer
 
 
@@ -25,6 +26,7 @@ class Speculator:
         block_manager: BlockManager,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,
+        adaptive_depth: bool = False,
     ) -> None:
         self.proposer = proposer
         self.capabilities = proposer.capabilities
@@ -36,6 +38,7 @@ class Speculator:
         self.block_manager = block_manager
         self.kv_caches = kv_caches
         self.device = device
+        self.depth = AdaptiveDepth(self.num_speculative_tokens) if adaptive_depth else None
         self._known: set[str] = set()
 
     def draft_budget(self, seq: Sequence, max_model_len: int) -> int:
@@ -59,6 +62,8 @@ class Speculator:
         hidden_rows: list[slice],
     ) -> None:
         """Set ``draft_token_ids`` (and ``draft_probs``) on every request for the next step."""
+        if self.depth is not None:
+            budgets = self.depth.choose([s.request_id for s in seqs], budgets)
         requests: list[ProposalRequest] = []
         rows: list[torch.Tensor] = []
         num_rows = 0
@@ -112,8 +117,26 @@ class Speculator:
                 seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
             offset += len(tokens)
 
+    def observe_verification(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        if self.depth is not None:
+            self.depth.observe_verification(seq.request_id, num_drafted, num_accepted)
+
+    def observe_step(self, num_target_tokens: int, num_drafted: int, seconds: float) -> None:
+        if self.depth is not None:
+            self.depth.observe_step(num_target_tokens, num_drafted, seconds)
+
     def release(self, seq: Sequence) -> None:
-        """Forget a request that finished, was aborted or preempted."""
-        if seq.request_id in self._known:
-            self._known.discard(seq.request_id)
+        """Forget a request that finished, was aborted or preempted.
+
+        Only a request that ended normally (stop or length) counts as complete output; aborted and
+        preempted ones are discarded, so that proposers learning across requests keep nothing of them.
+        """
+        if self.depth is not None:
+            self.depth.forget(seq.request_id)
+        if seq.request_id not in self._known:
+            return
+        self._known.discard(seq.request_id)
+        if seq.finish_reason in ("stop", "length"):
             self.proposer.remove_request(seq.request_id)
+        else:
+            self.proposer.discard_request(seq.request_id)
