@@ -1,0 +1,92 @@
+"""Prompt lookup on the host: find the last n tokens earlier in the sequence and copy what followed.
+
+Rule (shared with :mod:`sonar_ngram.lookup_device`, which must give identical drafts):
+
+- the pattern is the last ``n`` tokens; ``n`` runs from ``max_n`` down to ``min_n`` and the first
+  (longest) ``n`` with an earlier occurrence wins;
+- an occurrence is any earlier window equal to the pattern that ends before the last token, so it
+  may overlap the pattern itself; of several, the most recent (rightmost) one is used;
+- the draft is the up-to-``k`` tokens that follow the occurrence, fewer where the sequence ends.
+
+The search is vectorised over match *end* positions: one comparison of the whole sequence with the
+last token gives every end of a 1-token match; each further step keeps the ends whose match also
+extends one token further back. The candidate set only shrinks, so the common case (few repeats)
+costs one O(L) numpy pass plus a few tiny ones, and a fully repetitive sequence costs O(L * max_n).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+TOKEN_DTYPE = np.int32
+
+_EMPTY = np.empty(0, dtype=TOKEN_DTYPE)
+
+
+def find_match_end(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """Return ``(end, n)``: the index of the last token of the chosen occurrence and its length.
+
+    ``(-1, 0)`` when no n-gram of length ``min_n..max_n`` recurs.
+    """
+    length = tokens.shape[0]
+    # An occurrence must end at index length - 2 or earlier and start at index 0 or later.
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return -1, 0
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    n = 1
+    while ends.size and n < max_n:
+        # Extend every surviving match one token to the left; ends < n have nothing there.
+        extendable = ends[np.searchsorted(ends, n) :]
+        longer = extendable[tokens[extendable - n] == tokens[length - 1 - n]]
+        if not longer.size:
+            break
+        ends = longer
+        n += 1
+    if not ends.size or n < min_n:
+        return -1, 0
+    return int(ends[-1]), n
+
+
+def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Draft up to ``k`` tokens for ``tokens`` (1-D integer array); an empty array when none match."""
+    if k <= 0:
+        return _EMPTY
+    end, _ = find_match_end(tokens, min_n, max_n)
+    if end < 0:
+        return _EMPTY
+    return tokens[end + 1 : end + 1 + k]
+
+
+class TokenHistory:
+    """One request's tokens as a growing numpy array, so a step converts only its new tokens.
+
+    Capacity doubles when full, so appending is amortised O(1) per token and the array handed to
+    :func:`find_draft` is a view, never a fresh conversion of the whole list.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._buffer = np.empty(max(capacity, 1), dtype=TOKEN_DTYPE)
+        self.length = 0
+
+    def sync(self, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        """Bring the buffer up to ``token_ids``, of which the last ``num_new_tokens`` are new.
+
+        Tokens before ``len(token_ids) - num_new_tokens`` were seen by an earlier call (the engine
+        never rewrites accepted tokens), so only the tail is converted. When the buffer holds fewer
+        tokens than that (a fresh or re-added request), the missing part is written too.
+        """
+        total = len(token_ids)
+        start = max(0, min(self.length, total - num_new_tokens))
+        if total > self._buffer.shape[0]:
+            grown = np.empty(max(total, 2 * self._buffer.shape[0]), dtype=TOKEN_DTYPE)
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        self._buffer[start:total] = token_ids[start:]
+        self.length = total
+
+    def view(self) -> np.ndarray:
+        """The tokens held, without copying."""
+        return self._buffer[: self.length]

@@ -1,0 +1,102 @@
+"""Hook implementations of the ``sonar-ngram`` distribution (entry point ``ngram`` in group ``sonar``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+from sonar_core.errors import ConfigError
+from sonar_core.plugins import MethodSpec, hookimpl
+from sonar_ngram.proposer import create_ngram_gpu_proposer, create_ngram_proposer
+from sonar_ngram.settings import resolve_lookup_bounds
+
+if TYPE_CHECKING:
+    from sonar_core.config import SpeculativeConfig, TargetInfo
+    from sonar_core.plugins import MethodRegistry
+
+METHODS = ("ngram", "ngram_gpu")
+# A ``model`` that only repeats the method name is the legacy vLLM spelling of the method
+# (``"[ngram]"``); anything else names a checkpoint the method would ignore.
+_METHOD_NAMES_AS_MODEL = frozenset({"ngram", "[ngram]", "ngram_gpu"})
+
+
+class NgramOptions(BaseModel):
+    """The n-gram methods take only core fields (``prompt_lookup_min``/``max``,
+    ``num_speculative_tokens``); any other key is a mistake and is rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@hookimpl
+def sonar_register_methods(registry: MethodRegistry) -> None:
+    """Register ``ngram`` (with vLLM's old spelling ``[ngram]`` as an alias) and ``ngram_gpu``."""
+    registry.register(
+        MethodSpec(
+            name="ngram",
+            create_proposer=create_ngram_proposer,
+            description="CPU prompt lookup",
+            options_model=NgramOptions,
+        ),
+        aliases=("[ngram]",),
+    )
+    registry.register(
+        MethodSpec(
+            name="ngram_gpu",
+            create_proposer=create_ngram_gpu_proposer,
+            description="GPU prompt lookup",
+            options_model=NgramOptions,
+        )
+    )
+
+
+@hookimpl
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None
+) -> list[str] | None:
+    """The n-gram rules: window bounds of at least 1 with min <= max (after vLLM's defaults), no
+    checkpoint, and a warning for probabilistic drafting. Other methods are not checked here."""
+    if config.method not in METHODS:
+        return None
+    method = config.method
+    errors: list[ConfigError] = []
+    for field in ("prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(config, field)
+        if value is not None and value < 1:
+            errors.append(
+                ConfigError(
+                    field,
+                    f"{field}={value} is not a valid n-gram length for method {method!r}",
+                    f"set {field} to 1 or more",
+                )
+            )
+    bounds = resolve_lookup_bounds(config.prompt_lookup_min, config.prompt_lookup_max)
+    if not errors and bounds.min_n > bounds.max_n:
+        errors.append(
+            ConfigError(
+                "prompt_lookup_min",
+                f"prompt_lookup_min={bounds.min_n} is greater than prompt_lookup_max={bounds.max_n}",
+                f"set prompt_lookup_min to at most {bounds.max_n}, or raise prompt_lookup_max",
+            )
+        )
+    if config.model is not None and config.model not in _METHOD_NAMES_AS_MODEL:
+        errors.append(
+            ConfigError(
+                "model",
+                f"method {method!r} copies tokens from the prompt and loads no checkpoint, "
+                f"but model={config.model!r} is set",
+                "remove 'model' from the speculative config",
+            )
+        )
+    if errors:
+        # One error carrying the others, so every problem is reported in the same run.
+        first, *rest = errors
+        raise ConfigError(first.field, first.message, first.fix, also=rest)
+    warnings: list[str] = []
+    if config.draft_sample_method == "probabilistic":
+        warnings.append(
+            "speculative_config.draft_sample_method: 'probabilistic' has no effect with method "
+            f"{method!r}: n-gram drafts have no probabilities and are verified as one-hot drafts; "
+            "remove draft_sample_method"
+        )
+    return warnings
