@@ -32,7 +32,7 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         **engine_args: Any,
     ) -> None:
-        config = EngineConfig(model=model, speculative_config=speculative_config, **engine_args)
+        config = EngineConfig.build(model=model, speculative_config=speculative_config, **engine_args)
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Any:

@@ -193,9 +193,13 @@ class MethodRegistry:
                 f"method {name!r} is not installed. Installed methods: {installed}",
                 f"install the package that provides it: pip install {package}",
             )
-        known = [*self._methods, *self._aliases, *SONAR_METHOD_PACKAGES]
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        known = {candidate.lower(): candidate for candidate in [*SONAR_METHOD_PACKAGES, *self._methods, *self._aliases]}
+        close = difflib.get_close_matches(name.lower(), list(known), n=1)
+        hint = ""
+        if close:
+            match = known[close[0]]
+            provider = "" if match in self else f" (pip install {SONAR_METHOD_PACKAGES[match]})"
+            hint = f"did you mean {match!r}{provider}? Otherwise, "
         return ConfigError(
             field,
             f"{name!r} is not a speculation method. Installed methods: {installed}",

@@ -135,3 +135,12 @@ class Proposer(ABC):
 
     def remove_request(self, request_id: str) -> None:  # noqa: B027
         """Called when a request finishes, is aborted or preempted. Must drop all its state."""
+
+    def discard_request(self, request_id: str) -> None:
+        """Called instead of :meth:`remove_request` when a request leaves without a complete output
+        (aborted or preempted), by engines that tell the two apart.
+
+        Proposers that learn from finished outputs across requests (suffix decoding) override it to
+        forget what they learnt from the incomplete one. Default: the same as remove_request.
+        """
+        self.remove_request(request_id)

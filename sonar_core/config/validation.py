@@ -1,0 +1,284 @@
+"""Check a configuration against the target and the installed plugins, before any weight loads.
+
+Order: the method is resolved (registered names and aliases, then the plugins'
+``sonar_resolve_method_alias`` hook), the method's own options are validated by its options model,
+core's generic rules run, then each plugin's ``sonar_validate_speculative_config`` rules. Errors are
+:class:`ConfigError`; warnings are logged to ``sonar.config`` and returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from sonar_core.config.engine import EngineConfig
+from sonar_core.config.speculative import CORE_FIELDS, FIELD, SpeculativeConfig
+from sonar_core.config.target import TargetInfo, target_info_for
+from sonar_core.config.validation_errors import config_error_from_validation, unknown_field_fix
+from sonar_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sonar_core.plugins.manager import SonarPluginManager
+    from sonar_core.plugins.registry import MethodSpec
+
+logger = logging.getLogger("sonar.config")
+
+# Keys that users bring from elsewhere and what they meant.
+_MISPLACED_KEYS: Mapping[str, str] = {
+    "tensor_parallel_size": "draft_tensor_parallel_size (the target's size is --tensor-parallel-size)",
+    "speculative_model": "model",
+    "num_lookahead_slots": "num_speculative_tokens",
+}
+
+
+@dataclass(frozen=True)
+class ResolvedSpeculativeConfig:
+    """A speculative configuration that passed every rule, ready to build a proposer from."""
+
+    # method is the canonical name; num_speculative_tokens and draft_tensor_parallel_size are set.
+    config: SpeculativeConfig
+    spec: MethodSpec
+    # The method's options, validated by its options model (None when it has none).
+    options: BaseModel | None
+    # The name the user wrote (an alias, or the method itself).
+    requested_method: str
+    # Maximum draft tokens per step (config.num_speculative_tokens, known to be set).
+    num_speculative_tokens: int
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def method(self) -> str:
+        return self.spec.name
+
+    @property
+    def draft_max_model_len(self) -> int | None:
+        """Longest sequence the draft handles; speculation stops beyond it (None: no extra limit)."""
+        return self.config.max_model_len
+
+
+@dataclass(frozen=True)
+class ValidatedConfig:
+    """An engine configuration with its defaults resolved against the target."""
+
+    # max_model_len is set (the user's value or the model's limit).
+    engine: EngineConfig
+    target: TargetInfo
+    speculative: ResolvedSpeculativeConfig | None
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.speculative.warnings if self.speculative is not None else ()
+
+
+def validate_speculative_config(
+    config: SpeculativeConfig | Mapping[str, Any] | str,
+    target: TargetInfo | None = None,
+    plugin_manager: SonarPluginManager | None = None,
+    *,
+    draft: TargetInfo | None = None,
+    engine_max_model_len: int | None = None,
+    log_warnings: bool = True,
+) -> ResolvedSpeculativeConfig:
+    """Apply every rule to ``config``; raise :class:`ConfigError` or return the resolved config.
+
+    ``target`` enables the rules that compare with the target (its tensor-parallel size and length
+    limit); ``draft`` is the draft checkpoint's info, read from ``config.model`` when a rule needs
+    it and it is not given. ``plugin_manager`` defaults to a fresh one for this process.
+    """
+    config = SpeculativeConfig.build(config)
+    if plugin_manager is None:
+        from sonar_core.plugins.manager import get_plugin_manager
+
+        plugin_manager = get_plugin_manager()
+    warnings: list[str] = []
+    requested, spec = _resolve_method(config, target, plugin_manager, warnings)
+    config = config.model_copy(update={"method": spec.name})
+    options = _validate_options(config, spec)
+    config, depth = _apply_core_rules(config, target, draft, engine_max_model_len, warnings)
+    warnings.extend(_plugin_rules(config, target, plugin_manager))
+    if log_warnings:
+        for warning in warnings:
+            logger.warning("%s", warning)
+    return ResolvedSpeculativeConfig(config, spec, options, requested, depth, tuple(warnings))
+
+
+def validate_engine_config(config: EngineConfig, target: TargetInfo) -> EngineConfig:
+    """The rules of the engine fields that need the target; returns the config with max_model_len set."""
+    limit = target.max_position_embeddings
+    if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
+        raise ConfigError(
+            "max_model_len",
+            f"{config.max_model_len} tokens exceeds the model's limit of {limit} "
+            f"(max_position_embeddings in {target.source or 'its config'})",
+            f"set --max-model-len {limit} or less (max_model_len in Python), or leave it unset to use the limit",
+        )
+    if config.max_model_len is None and limit is None:
+        raise ConfigError(
+            "max_model_len",
+            f"the model's config ({target.source or 'unknown source'}) states no maximum sequence length",
+            "set --max-model-len (max_model_len in Python) to the length the model was trained for",
+        )
+    return config.model_copy(update={"max_model_len": config.max_model_len or limit})
+
+
+def validate_config(
+    config: EngineConfig | Mapping[str, Any],
+    plugin_manager: SonarPluginManager | None = None,
+    *,
+    target: TargetInfo | None = None,
+    log_warnings: bool = True,
+) -> ValidatedConfig:
+    """Every rule of an engine configuration, its speculative configuration included.
+
+    Reads the target's config (not its weights) unless ``target`` is given.
+    """
+    engine = config if isinstance(config, EngineConfig) else EngineConfig.build(**config)
+    if target is None:
+        target = target_info_for(engine.model, tensor_parallel_size=engine.tensor_parallel_size)
+    engine = validate_engine_config(engine, target)
+    if engine.speculative_config is None:
+        return ValidatedConfig(engine, target, None)
+    speculative = validate_speculative_config(
+        engine.speculative_config,
+        target,
+        plugin_manager,
+        engine_max_model_len=engine.max_model_len,
+        log_warnings=log_warnings,
+    )
+    return ValidatedConfig(engine, target, speculative)
+
+
+def _resolve_method(
+    config: SpeculativeConfig,
+    target: TargetInfo | None,
+    plugin_manager: SonarPluginManager,
+    warnings: list[str],
+) -> tuple[str, MethodSpec]:
+    registry = plugin_manager.method_registry
+    requested = config.method
+    if requested is None:
+        if config.model is None:
+            raise ConfigError(
+                f"{FIELD}.method",
+                "no method is set and no draft model is given",
+                f'set "method" to one of the installed methods ({", ".join(registry.names()) or "none"}), '
+                'for example {"method": "ngram", "num_speculative_tokens": 4}',
+            )
+        requested = "draft_model"
+        warnings.append(
+            f'{FIELD}.method is not set; using "draft_model" with model {config.model!r}. '
+            'Set "method" explicitly to silence this warning.'
+        )
+    spec = registry.get(requested)
+    if spec is None:
+        mapped = plugin_manager.hook.sonar_resolve_method_alias(method=requested, target=target)
+        if mapped is None:
+            raise registry.unknown_method_error(requested, f"{FIELD}.method")
+        spec = registry.get(mapped)
+        if spec is None:
+            raise ConfigError(
+                f"{FIELD}.method",
+                f"a plugin maps {requested!r} to {mapped!r}, which is not an installed method",
+                f"install the plugin that provides {mapped!r}, or use one of: {', '.join(registry.names())}",
+            )
+    if spec.name != requested:
+        warnings.append(
+            f'{FIELD}.method: {requested!r} is an old name of {spec.name!r}; write "method": '
+            f'"{spec.name}" in new configurations.'
+        )
+    return requested, spec
+
+
+def _validate_options(config: SpeculativeConfig, spec: MethodSpec) -> BaseModel | None:
+    extras = config.method_options
+    option_names = tuple(spec.options_model.model_fields) if spec.options_model is not None else ()
+    accepted = (*CORE_FIELDS, *option_names)
+    unknown = [key for key in extras if key not in option_names]
+    if unknown:
+        first, *rest = (_unknown_option(key, spec.name, accepted) for key in unknown)
+        raise ConfigError(first.field, first.message, first.fix, also=rest)
+    if spec.options_model is None:
+        return None
+    try:
+        return spec.options_model.model_validate(extras)
+    except ValidationError as exc:
+        raise config_error_from_validation(exc, FIELD, accepted) from None
+
+
+def _unknown_option(key: str, method: str, accepted: tuple[str, ...]) -> ConfigError:
+    if key in _MISPLACED_KEYS:
+        fix = f"use {_MISPLACED_KEYS[key]} instead of {key!r}"
+    else:
+        fix = unknown_field_fix(key, accepted, f"method {method!r}")
+    return ConfigError(f"{FIELD}.{key}", f"{key!r} is not an option of method {method!r}", fix)
+
+
+def _apply_core_rules(
+    config: SpeculativeConfig,
+    target: TargetInfo | None,
+    draft: TargetInfo | None,
+    engine_max_model_len: int | None,
+    warnings: list[str],
+) -> tuple[SpeculativeConfig, int]:
+    """Core's generic rules; returns the config with its defaults filled, and its depth."""
+    method = config.method
+    if config.num_speculative_tokens is None:
+        raise ConfigError(
+            f"{FIELD}.num_speculative_tokens",
+            f"method {method!r} needs the maximum number of draft tokens per step, and none is set",
+            'add "num_speculative_tokens"; start with 1 to 3 and raise it while later positions are still accepted',
+        )
+    target_tp = target.tensor_parallel_size if target is not None else 1
+    draft_tp = config.draft_tensor_parallel_size or 1
+    if draft_tp not in (1, target_tp):
+        raise ConfigError(
+            f"{FIELD}.draft_tensor_parallel_size",
+            f"draft_tensor_parallel_size={draft_tp} is neither 1 nor the target's tensor_parallel_size ({target_tp})",
+            f"set draft_tensor_parallel_size to 1 or {target_tp}, or remove it (1 is the default)",
+        )
+    if config.max_model_len is not None:
+        _check_draft_length(config.max_model_len, config.model, target, draft)
+        if engine_max_model_len is not None and config.max_model_len > engine_max_model_len:
+            warnings.append(
+                f"{FIELD}.max_model_len={config.max_model_len} is larger than the engine's max_model_len="
+                f"{engine_max_model_len}; requests never get that long, so it has no effect."
+            )
+    return config.model_copy(update={"draft_tensor_parallel_size": draft_tp}), config.num_speculative_tokens
+
+
+def _check_draft_length(
+    length: int, draft_model: str | None, target: TargetInfo | None, draft: TargetInfo | None
+) -> None:
+    """The draft max_model_len cannot exceed the target's limit, nor the draft checkpoint's."""
+    if draft is None and draft_model is not None:
+        draft = target_info_for(draft_model, field=f"{FIELD}.model")
+    checkpoints = [("target", target)] + ([("draft", draft)] if draft_model is not None else [])
+    for role, info in checkpoints:
+        limit = info.max_position_embeddings if info is not None else None
+        if limit is not None and length > limit:
+            raise ConfigError(
+                f"{FIELD}.max_model_len",
+                f"the draft max_model_len={length} exceeds the {role} checkpoint's limit of {limit} "
+                f"tokens ({info.source or 'its config'}); it cannot exceed either checkpoint's limit",
+                f"set max_model_len to {limit} or less, or remove it",
+            )
+
+
+def _plugin_rules(
+    config: SpeculativeConfig, target: TargetInfo | None, plugin_manager: SonarPluginManager
+) -> list[str]:
+    try:
+        results = plugin_manager.hook.sonar_validate_speculative_config(config=config, target=target)
+    except ConfigError as exc:
+        raise exc.with_field_prefix(FIELD) from None
+    warnings: list[str] = []
+    for result in results:
+        if isinstance(result, str):
+            warnings.append(result)
+        elif result:
+            warnings.extend(str(item) for item in result)
+    return warnings

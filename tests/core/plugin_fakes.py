@@ -1,0 +1,45 @@
+"""Fake plugins for the core tests (a module of its own: test modules and conftest import it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from sonar_core.plugins import MethodSpec, PluginSource, hookimpl
+
+
+class FakeMethodPlugin:
+    """A plugin object that registers one method, optionally with aliases, options and a rule."""
+
+    def __init__(
+        self,
+        name: str,
+        aliases: tuple[str, ...] = (),
+        options_model: type[BaseModel] | None = None,
+        rule: Callable[[Any, Any], list[str] | None] | None = None,
+        create: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.aliases = aliases
+        self.options_model = options_model
+        self.rule = rule
+        self.create = create or (lambda context, weights: None)
+
+    @hookimpl
+    def sonar_register_methods(self, registry: Any) -> None:
+        registry.register(
+            MethodSpec(self.name, self.create, description=f"fake {self.name}", options_model=self.options_model),
+            aliases=self.aliases,
+        )
+
+    @hookimpl
+    def sonar_validate_speculative_config(self, config: Any, target: Any) -> list[str] | None:
+        if config.method != self.name or self.rule is None:
+            return None
+        return self.rule(config, target)
+
+
+def fake_source(name: str, distribution: str | None = None, version: str = "1.0") -> PluginSource:
+    return PluginSource(name, distribution or f"fake-{name}", version)

@@ -1,0 +1,41 @@
+"""The documentation stays true: every hook is documented and tested, and every test that the rule
+table of docs/configuration.md names exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sonar_core.plugins import hookspecs
+
+REPO = Path(__file__).resolve().parents[2]
+HOOKS = sorted(name for name in vars(hookspecs) if name.startswith("sonar_"))
+RULE_TABLE = (REPO / "docs" / "configuration.md").read_text().split("## Rules and the tests that cover them")[1]
+TEST_REFERENCES = sorted(set(re.findall(r"`([\w/.-]+\.py)::(\w+)`", RULE_TABLE)))
+
+
+def test_there_are_hooks_and_references():
+    assert len(HOOKS) == 5
+    assert len(TEST_REFERENCES) > 50
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_documented(hook):
+    assert f"### {hook}\n" in (REPO / "docs" / "plugins.md").read_text()
+    assert getattr(hookspecs, hook).__doc__
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_exercised_by_a_core_test(hook):
+    # The test modules and their fake plugins (which implement the hooks the tests drive).
+    tests = [path for path in Path(__file__).parent.glob("*.py") if path.name != Path(__file__).name]
+    assert any(hook in path.read_text() for path in tests)
+
+
+@pytest.mark.parametrize(("path", "name"), TEST_REFERENCES)
+def test_every_test_named_in_the_rule_table_exists(path, name):
+    source = REPO / path
+    assert source.is_file(), path
+    assert re.search(rf"^def {name}\(", source.read_text(), re.MULTILINE), f"{path}::{name}"
