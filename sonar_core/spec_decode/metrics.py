@@ -143,10 +143,15 @@ class SpecDecodingLogging:
         return self.log()
 
     def log(self) -> str | None:
-        """Write the line for the current interval now and start a new interval; None without drafts."""
+        """Write the line for the current interval now and start a new interval; None without drafts.
+
+        An interval without drafts still ends here, so that throughput after a quiet spell is
+        measured over the time the drafts were made, not since the last line.
+        """
         now = self._clock()
         stats = self._interval
         if stats.num_drafts == 0:
+            self._last_log_time = now
             return None
         elapsed = now - self._last_log_time
         summary = stats.summary()

@@ -1,0 +1,236 @@
+"""Server metrics: Prometheus request/latency/engine-state series and the periodic stats log.
+
+Everything here runs on the engine thread, once per step, from the :class:`RequestOutput` objects
+the step returned; the HTTP side only renders the registry. The speculative-decoding counters and
+the ``SpecDecoding metrics:`` log line belong to :mod:`sonar_core.spec_decode.metrics`; this module
+feeds them the per-step change of the engine's cumulative :class:`SpecDecodingStats`.
+
+Prometheus series (all labelled ``model_name``):
+
+- ``aphrodite:num_requests_running`` / ``aphrodite:num_requests_waiting`` (gauges)
+- ``aphrodite:kv_cache_usage_perc`` (gauge, 0..1)
+- ``aphrodite:prompt_tokens_total`` / ``aphrodite:generation_tokens_total``
+- ``aphrodite:request_success_total`` (label ``finished_reason``: stop, length, abort)
+- ``aphrodite:time_to_first_token_seconds``, ``aphrodite:inter_token_latency_seconds``,
+  ``aphrodite:e2e_request_latency_seconds`` (histograms)
+- ``aphrodite:spec_decode_*`` (from the spec-decode module)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sonar_core.outputs import RequestOutput
+from sonar_core.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm, SpecDecodingStats
+
+logger = logging.getLogger("sonar.server")
+
+LOG_INTERVAL_S = 5.0
+THROUGHPUT_LOG_FORMAT = (
+    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%"
+)
+# Latency buckets in seconds, from sub-millisecond decode steps on a GPU to minutes on a busy CPU.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the gauges and the log line show about the engine at one moment."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+class ServerMetrics:
+    """The Prometheus series of one server, in a registry of its own.
+
+    A registry per server (not prometheus_client's global one) keeps two servers in one process,
+    as tests run them, from sharing or double-registering series.
+    """
+
+    def __init__(self, model_name: str, num_speculative_tokens: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self.model_name = model_name
+        self.num_running = Gauge(
+            "aphrodite:num_requests_running", "Requests in the running batch.", labels, registry=reg
+        ).labels(model_name)
+        self.num_waiting = Gauge(
+            "aphrodite:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=reg
+        ).labels(model_name)
+        self.kv_cache_usage = Gauge(
+            "aphrodite:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", labels, registry=reg
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "aphrodite:prompt_tokens", "Prompt tokens prefilled.", labels, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "aphrodite:generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self._request_success = Counter(
+            "aphrodite:request_success", "Requests that ended, by finish reason.", [*labels, "finished_reason"],
+            registry=reg,
+        )
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+        self.time_to_first_token = Histogram(
+            "aphrodite:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            labels, buckets=TTFT_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "aphrodite:inter_token_latency_seconds", "Time between consecutive generated tokens.",
+            labels, buckets=ITL_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "aphrodite:e2e_request_latency_seconds", "Time from arrival to the last token of a request.",
+            labels, buckets=E2E_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self.spec_decode = SpecDecodingProm(num_speculative_tokens, model_name, registry=reg)
+
+    def request_finished(self, finished_reason: str) -> None:
+        self._request_success.labels(self.model_name, finished_reason).inc()
+
+    def set_engine_state(self, state: EngineState) -> None:
+        self.num_running.set(state.num_running)
+        self.num_waiting.set(state.num_waiting)
+        self.kv_cache_usage.set(state.kv_cache_usage)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
+
+
+@dataclass
+class _Tracked:
+    """How much of one request's timing has been recorded already."""
+
+    first_token_seen: bool = False
+    num_latencies_seen: int = 0
+
+
+class StatsRecorder:
+    """Turns each step's outputs into metrics and, unless disabled, the periodic log lines.
+
+    Every ``interval_s`` with activity it logs the throughput line and then the
+    ``SpecDecoding metrics:`` line of the same interval; one more throughput line follows the
+    last active interval so that the log shows the engine going idle.
+    """
+
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        spec_stats: SpecDecodingStats,
+        *,
+        log_stats: bool,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.metrics = metrics
+        self.log_stats = log_stats
+        self.interval_s = interval_s
+        self._clock = clock
+        self._spec_stats = spec_stats
+        self._spec_seen = _copy_stats(spec_stats)
+        self._spec_logging = SpecDecodingLogging(spec_stats.num_speculative_tokens, interval_s, clock)
+        self._tracked: dict[str, _Tracked] = {}
+        self._interval_prompt_tokens = 0
+        self._interval_generation_tokens = 0
+        self._last_log_time = clock()
+        self._last_interval_active = False
+
+    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Record one step's outputs: token counts, first-token and inter-token times, finishes."""
+        for output in outputs:
+            tracked = self._tracked.setdefault(output.request_id, _Tracked())
+            new_tokens = len(output.delta_token_ids)
+            self.metrics.generation_tokens.inc(new_tokens)
+            self._interval_generation_tokens += new_tokens
+            timing = output.metrics
+            if not tracked.first_token_seen and timing.time_to_first_token is not None:
+                tracked.first_token_seen = True
+                num_prompt = len(output.prompt_token_ids)
+                self.metrics.prompt_tokens.inc(num_prompt)
+                self._interval_prompt_tokens += num_prompt
+                self.metrics.time_to_first_token.observe(timing.time_to_first_token)
+            for latency in timing.inter_token_latencies[tracked.num_latencies_seen :]:
+                self.metrics.inter_token_latency.observe(latency)
+            tracked.num_latencies_seen = len(timing.inter_token_latencies)
+            if output.finished:
+                del self._tracked[output.request_id]
+                self.metrics.request_finished(output.outputs[0].finish_reason or "stop")
+                if timing.e2e_latency is not None:
+                    self.metrics.e2e_latency.observe(timing.e2e_latency)
+
+    def observe_abort(self, request_id: str) -> None:
+        """Record a request that ended without finishing (client gone, failure or shutdown)."""
+        self._tracked.pop(request_id, None)
+        self.metrics.request_finished("abort")
+
+    def observe_engine(self, state: EngineState) -> None:
+        """Update the gauges and pass on the speculative-decoding counts added since last time."""
+        self.metrics.set_engine_state(state)
+        delta = _stats_delta(self._spec_stats, self._spec_seen)
+        if delta.num_drafts:
+            self._spec_seen = _copy_stats(self._spec_stats)
+            self.metrics.spec_decode.observe(delta)
+            self._spec_logging.observe(delta)
+
+    def maybe_log(self, state: EngineState) -> None:
+        """Write the periodic lines when ``interval_s`` has passed (only with log_stats)."""
+        if not self.log_stats:
+            return
+        now = self._clock()
+        elapsed = now - self._last_log_time
+        if elapsed < self.interval_s:
+            return
+        active = bool(
+            self._interval_prompt_tokens or self._interval_generation_tokens
+            or state.num_running or state.num_waiting
+        )
+        if active or self._last_interval_active:
+            logger.info(
+                THROUGHPUT_LOG_FORMAT,
+                self._interval_prompt_tokens / elapsed,
+                self._interval_generation_tokens / elapsed,
+                state.num_running,
+                state.num_waiting,
+                100.0 * state.kv_cache_usage,
+            )
+            self._spec_logging.log()
+        self._last_interval_active = active
+        self._interval_prompt_tokens = 0
+        self._interval_generation_tokens = 0
+        self._last_log_time = now
+
+
+def _copy_stats(stats: SpecDecodingStats) -> SpecDecodingStats:
+    copy = SpecDecodingStats(stats.num_speculative_tokens)
+    copy.add(stats)
+    return copy
+
+
+def _stats_delta(current: SpecDecodingStats, seen: SpecDecodingStats) -> SpecDecodingStats:
+    """The counts ``current`` gained since it was copied into ``seen`` (both cumulative)."""
+    return SpecDecodingStats(
+        num_speculative_tokens=current.num_speculative_tokens,
+        num_drafts=current.num_drafts - seen.num_drafts,
+        num_draft_tokens=current.num_draft_tokens - seen.num_draft_tokens,
+        num_accepted_tokens=current.num_accepted_tokens - seen.num_accepted_tokens,
+        num_accepted_tokens_per_pos=[
+            now - before
+            for now, before in zip(current.num_accepted_tokens_per_pos, seen.num_accepted_tokens_per_pos, strict=True)
+        ],
+    )
