@@ -82,10 +82,13 @@ def test_periodic_logging_respects_the_interval_and_resets(caplog: pytest.LogCap
     logging_ = SpecDecodingLogging(num_speculative_tokens=3, interval_s=5.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="sonar.spec_decode"):
         clock.now += 10.0
-        assert logging_.maybe_log() is None  # no drafts yet: nothing to say
+        assert logging_.maybe_log() is None  # no drafts yet: nothing to say, the interval restarts
         logging_.observe(_stats())
         clock.now += 1.0
-        assert logging_.maybe_log() is not None  # 11 s since start
+        assert logging_.maybe_log() is None  # 1 s since the quiet interval ended
+        clock.now += 4.0
+        first = logging_.maybe_log()  # 5 s: the drafts are measured over these 5 s, not 15
+        assert first is not None and "Accepted throughput: 1.20 tokens/s" in first
         logging_.observe(_stats([(2, 2)]))
         clock.now += 4.0
         assert logging_.maybe_log() is None  # 4 s since the last line
