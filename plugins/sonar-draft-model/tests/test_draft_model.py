@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from sonar_draft_model.vocab import VocabularyIntersection
 from transformers import AutoTokenizer
 
 from aphrodite import LLM, SamplingParams
 from sonar_core.errors import ConfigError
-from sonar_draft_model.vocab import VocabularyIntersection
 
 PROMPTS = ["the quick brown fox", "def add(a, b):\n    return", "hello hello hello", "numbers 1 2 3 4"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
