@@ -6,7 +6,7 @@ import random
 
 
 def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Longest n first; the most recent earlier occurrence (ending before the last token); up to k after it."""
+    """Longest n first; the most recent earlier occurrence (ending before the last token); k tokens after it."""
     if k <= 0:
         return []
     length = len(tokens)
@@ -14,7 +14,11 @@ def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[i
         pattern = tokens[length - n :] if n <= length else None
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == pattern:
-                return tokens[start + n : start + n + k]
+                # Copy what follows, continuing from the copy itself past the end (LZ77-style).
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[length:]
     return []
 
 

@@ -31,7 +31,7 @@ def test_hand_made_cases() -> None:
         [1, 2, 3, 10, 11, 2, 3, 20, 1, 2, 3],  # longest n wins
         [7, 8, 1, 7, 8, 2, 7, 8, 3, 7, 8],  # most recent occurrence
         [1, 2, 5, 6, 7, 1, 2],  # match at the very start
-        [4, 5, 4, 5, 4, 5],  # continuation truncated at the end
+        [4, 5, 4, 5, 4, 5],  # the copy continues past the end
         [1, 2, 3, 4, 5],  # no match
         [],
         [4],
@@ -41,17 +41,17 @@ def test_hand_made_cases() -> None:
         [10, 11],
         [3],
         [5, 6, 7],
-        [4, 5],
+        [4, 5, 4, 5],
         [],
         [],
         [],
-        [4],
+        [4, 4, 4, 4],
     ]
 
 
 def test_per_row_limits_including_zero() -> None:
     sequences = [[1, 2, 3, 4, 1, 2], [1, 2, 3, 4, 1, 2], [1, 2, 3, 4, 1, 2]]
-    assert run_batch(sequences, [0, 1, 5], 2, 2, 5) == [[], [3], [3, 4, 1, 2]]
+    assert run_batch(sequences, [0, 1, 5], 2, 2, 5) == [[], [3], [3, 4, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -28,12 +28,13 @@ def test_most_recent_occurrence_wins() -> None:
     assert draft(tokens, 2, 2, 1) == [3]
 
 
-def test_k_truncates_and_the_end_of_the_sequence_truncates() -> None:
+def test_k_limits_and_the_copy_continues_past_the_end() -> None:
     tokens = [5, 6, 1, 2, 3, 4, 9, 5, 6]
     assert draft(tokens, 2, 2, 3) == [1, 2, 3]
-    assert draft(tokens, 2, 2, 100) == [1, 2, 3, 4, 9, 5, 6]
-    # Periodic run: the most recent occurrence overlaps the pattern and leaves one period.
-    assert draft([4, 5, 4, 5, 4, 5], 2, 2, 4) == [4, 5]
+    # Past the end the copy continues from itself: the sequence repeats with period 7.
+    assert draft(tokens, 2, 2, 10) == [1, 2, 3, 4, 9, 5, 6, 1, 2, 3]
+    # Periodic run: the most recent occurrence overlaps the pattern; the loop is drafted in full.
+    assert draft([4, 5, 4, 5, 4, 5], 2, 2, 5) == [4, 5, 4, 5, 4]
 
 
 def test_no_match_gives_an_empty_draft() -> None:
@@ -55,7 +56,7 @@ def test_match_at_the_very_start() -> None:
 def test_short_sequences_and_zero_k() -> None:
     assert draft([], 1, 3, 2) == []
     assert draft([4], 1, 3, 2) == []
-    assert draft([4, 4], 1, 3, 2) == [4]
+    assert draft([4, 4], 1, 3, 2) == [4, 4]
     assert draft([4, 4], 2, 3, 2) == []
     assert draft([1, 2, 1, 2], 1, 3, 0) == []
 

@@ -6,7 +6,11 @@ Rule (shared with :mod:`sonar_ngram.lookup_device`, which must give identical dr
   (longest) ``n`` with an earlier occurrence wins;
 - an occurrence is any earlier window equal to the pattern that ends before the last token, so it
   may overlap the pattern itself; of several, the most recent (rightmost) one is used;
-- the draft is the up-to-``k`` tokens that follow the occurrence, fewer where the sequence ends.
+- the draft is the ``k`` tokens that follow the occurrence. Where they run past the end of the
+  sequence, copying continues from the draft itself (an overlapping copy, as in LZ77): the
+  occurrence ends ``p`` tokens before the last token, so the draft repeats with period ``p``.
+  This is exactly what applying the lookup again after each drafted token would propose, and it
+  drafts the full ``k`` tokens in a repeating loop instead of one period.
 
 The search is vectorised over match *end* positions: one comparison of the whole sequence with the
 last token gives every end of a 1-token match; each further step keeps the ends whose match also
@@ -57,7 +61,8 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray
     end, _ = find_match_end(tokens, min_n, max_n)
     if end < 0:
         return _EMPTY
-    return tokens[end + 1 : end + 1 + k]
+    period = tokens.shape[0] - 1 - end
+    return tokens[end + 1 + np.arange(k) % period]
 
 
 class TokenHistory:

@@ -63,10 +63,12 @@ def batch_find_drafts(
             best_end = torch.where(last >= 0, last, best_end)
 
     starts = best_end + 1
-    available = (lengths - starts).clamp(min=0)
-    counts = torch.where(best_end >= 0, torch.minimum(available, limits.to(torch.int64)), 0).clamp(min=0)
+    # Overlapping copy (see sonar_ngram.lookup): the draft repeats with the match's distance from
+    # the last token as its period, so every matched row drafts its full limit.
+    period = (lengths - starts).clamp(min=1)
+    counts = torch.where(best_end >= 0, limits.to(torch.int64), 0).clamp(min=0)
     offsets = torch.arange(k, device=device)
-    gather_index = (starts.unsqueeze(1) + offsets).clamp(max=width - 1)
+    gather_index = (starts.unsqueeze(1) + offsets % period.unsqueeze(1)).clamp(min=0, max=width - 1)
     drafts = tokens.gather(1, gather_index)
     drafts = torch.where(offsets.unsqueeze(0) < counts.unsqueeze(1), drafts, 0)
     return drafts, counts
