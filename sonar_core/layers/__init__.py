@@ -1,0 +1,23 @@
+"""Model building blocks shared by target models and draft heads: attention over the paged KV
+cache, rotary embeddings, RMS norms and the pre-norm decoder layer.
+"""
+
+from sonar_core.layers.attention import AttentionMetadata, KVCache, PagedAttention, allocate_kv_cache
+from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, GatedMLP, SelfAttention
+from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "AttentionMetadata",
+    "DecoderLayer",
+    "DecoderLayerConfig",
+    "GatedMLP",
+    "KVCache",
+    "PagedAttention",
+    "RMSNorm",
+    "RopeConfig",
+    "RotaryEmbedding",
+    "SelfAttention",
+    "allocate_kv_cache",
+    "apply_rotary",
+]

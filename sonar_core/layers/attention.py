@@ -1,0 +1,263 @@
+"""Attention over a paged KV cache, in pure PyTorch (CPU and CUDA).
+
+Cache layout, per attention layer: ``(k_cache, v_cache)``, each
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence's token at position ``p`` lives in
+block ``block_table[p // block_size]`` at offset ``p % block_size``; its flat slot is
+``block * block_size + offset``.
+
+One engine step is one flattened batch of ``T`` new tokens from ``B`` sequences (prefill chunks and
+decode tokens mixed). Everything that depends only on the batch shape (which cache blocks to read,
+where each query sits in a padded ``[B, max_query_len]`` layout, the boolean mask) is computed once
+per step in :meth:`AttentionMetadata.build` and reused by every layer, so a layer costs: two
+``index_copy_`` (cache write), two ``index_select`` of whole blocks (context read), one
+``scaled_dot_product_attention``.
+
+Grouped-query attention is done without repeating K/V: the query heads that share a KV head are
+folded into the query-length axis (``[B, kv_heads, n_rep * max_query_len, head_dim]``), so one KV
+head serves its whole group in a single batched matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from sonar_core.spec_decode.proposer import KVLayerSpec
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """One flattened batch: B sequences, T new tokens in total, sequence i owning tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` of the flat batch.
+
+    Build it with :meth:`build`. Constructing it directly from the five tensors also works (the
+    derived fields are then computed from them, which reads them back to the host once).
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int64
+    seq_lens: torch.Tensor  # [B] int64: context length of seq i INCLUDING this step's new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with 0)
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    positions: torch.Tensor  # [T] int64: position of each new token (= seq_len - query_len + j)
+    block_size: int
+    # False: the new tokens of a sequence also attend to all new tokens of the same sequence
+    # (non-causal block drafting). Earlier context is always visible.
+    causal: bool = True
+
+    # ---- derived once per step, shared by all layers ------------------------------------------
+    num_seqs: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    # [B * nb] block ids to read, nb = ceil(max_seq_len / block_size): row b's blocks, in order, so
+    # the gathered context of row b has token position p at index p.
+    context_block_ids: torch.Tensor | None = None
+    # [T] index of each new token in the padded [B * max_query_len] query layout; None when the flat
+    # batch already is that layout (all query lengths equal, e.g. pure decode or one sequence).
+    query_pad_index: torch.Tensor | None = None
+    # [B, 1, max_query_len, max_seq_len] bool, True where a query may attend to a key; None when
+    # every query may see every key of its row (pure decode of equal-length sequences).
+    attn_mask: torch.Tensor | None = None
+    _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_seqs == 0:  # constructed directly, not through build()
+            starts = self.query_start_loc.tolist()
+            self._derive(
+                [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)],
+                self.seq_lens.tolist(),
+                self.query_start_loc.device,
+            )
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+        causal: bool = True,
+    ) -> AttentionMetadata:
+        """Metadata of one step from host-side lists (one entry per sequence).
+
+        ``seq_lens[i]`` counts the new tokens too; ``block_tables[i]`` must cover ``seq_lens[i]``
+        positions. Raises ValueError on inconsistent input.
+        """
+        num_seqs = len(query_lens)
+        if not (num_seqs == len(seq_lens) == len(block_tables)) or num_seqs == 0:
+            raise ValueError(
+                "query_lens, seq_lens and block_tables must be non-empty and of equal length, got "
+                f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+            )
+        positions: list[int] = []
+        slots: list[int] = []
+        for i, (query_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            if not 0 < query_len <= seq_len:
+                raise ValueError(f"sequence {i}: need 0 < query_len <= seq_len, got {query_len}, {seq_len}")
+            if len(table) * block_size < seq_len:
+                raise ValueError(
+                    f"sequence {i}: block table of {len(table)} blocks of {block_size} cannot hold "
+                    f"{seq_len} tokens"
+                )
+            for pos in range(seq_len - query_len, seq_len):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(t) for t in block_tables)
+        padded_tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        metadata = cls(
+            query_start_loc=tensor(starts),
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(padded_tables),
+            slot_mapping=tensor(slots),
+            positions=tensor(positions),
+            block_size=block_size,
+            causal=causal,
+            num_seqs=num_seqs,  # marks the derived fields as computed here, from the host lists
+        )
+        metadata._derive(query_lens, seq_lens, torch.device(device))
+        return metadata
+
+    def _derive(self, query_lens: list[int], seq_lens: list[int], device: torch.device) -> None:
+        num_seqs = len(query_lens)
+        max_query_len = max(query_lens)
+        max_seq_len = max(seq_lens)
+        num_blocks = -(-max_seq_len // self.block_size)
+        self.num_seqs = num_seqs
+        self.max_query_len = max_query_len
+        self.max_seq_len = max_seq_len
+        self.context_block_ids = self.block_tables[:, :num_blocks].reshape(-1)
+        self._grouped_masks = {}
+
+        uniform_queries = all(q == max_query_len for q in query_lens)
+        if uniform_queries:
+            self.query_pad_index = None
+        else:
+            self.query_pad_index = torch.tensor(
+                [i * max_query_len + j for i, q in enumerate(query_lens) for j in range(q)],
+                dtype=torch.int64,
+            ).to(device, non_blocking=True)
+
+        uniform_context = all(s == max_seq_len for s in seq_lens)
+        causal_rows_differ = self.causal and max_query_len > 1
+        if uniform_context and not causal_rows_differ:
+            self.attn_mask = None
+            return
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        key_pos = torch.arange(max_seq_len)
+        allowed = (key_pos[None, :] < seq_lens_t[:, None])[:, None, :]  # [B, 1, L]
+        if self.causal:
+            # Query j of row b sits at position seq_len - query_len + j. Padding rows (j >=
+            # query_len) land past the end and so see the whole context: never an empty row.
+            query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+            query_pos = (seq_lens_t - query_lens_t)[:, None] + torch.arange(max_query_len)[None, :]
+            allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])  # [B, Q, L]
+        else:
+            allowed = allowed.expand(num_seqs, max_query_len, max_seq_len)
+        self.attn_mask = allowed[:, None].to(device, non_blocking=True)
+
+    def grouped_mask(self, n_rep: int) -> torch.Tensor | None:
+        """:attr:`attn_mask` for the grouped-query layout of queries (rows ``rep * max_query_len + j``),
+        built once per step and group size."""
+        if self.attn_mask is None:
+            return None
+        mask = self._grouped_masks.get(n_rep)
+        if mask is None:
+            mask = self._grouped_masks[n_rep] = self.attn_mask.repeat(1, 1, n_rep, 1)
+        return mask
+
+
+def allocate_kv_cache(
+    specs: list[KVLayerSpec],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
+    """One zero-filled ``(k_cache, v_cache)`` pair per spec.
+
+    Zero, not empty: the context read gathers whole blocks, and the unwritten tail of a sequence's
+    last block is masked out of the softmax. Masked garbage is harmless unless it is NaN/Inf, which
+    uninitialised memory can be (0 * NaN = NaN in the value product).
+    """
+    caches = []
+    for spec in specs:
+        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        caches.append(
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        )
+    return caches
+
+
+class PagedAttention(nn.Module):
+    """Writes a step's new K/V into the paged cache, then attends the new queries over each
+    sequence's whole context (earlier tokens plus the new ones), with grouped-query heads.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.n_rep = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5 if scale is None else scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``q`` ``[T, num_heads, head_dim]``, ``k``/``v`` ``[T, num_kv_heads, head_dim]`` (positions
+        already applied) -> ``[T, num_heads * head_dim]``.
+        """
+        k_cache, v_cache = kv_cache
+        kv_heads, head_dim, n_rep = self.num_kv_heads, self.head_dim, self.n_rep
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+
+        num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
+        ids = metadata.context_block_ids
+        # [B, kv_heads, L, head_dim] views of the gathered blocks; positions past max_seq_len (the
+        # tail of the last block) are sliced off, shorter rows are masked.
+        keys = k_cache.index_select(0, ids).view(num_seqs, -1, kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        values = v_cache.index_select(0, ids).view(num_seqs, -1, kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+
+        if max_q == 1:
+            # Pure decode: [B, heads, D] is already [B, kv_heads, n_rep, D] grouped; no copies.
+            out = F.scaled_dot_product_attention(
+                q.view(num_seqs, kv_heads, n_rep, head_dim), keys, values, attn_mask=metadata.attn_mask, scale=self.scale
+            )
+            return out.reshape(num_seqs, self.num_heads * head_dim)
+
+        pad_index = metadata.query_pad_index
+        if pad_index is not None:
+            q = q.new_zeros(num_seqs * max_q, self.num_heads, head_dim).index_copy_(0, pad_index, q)
+        # [B, Q, kv_heads, n_rep, D] -> [B, kv_heads, n_rep * Q, D]: each KV head's query group
+        # becomes one block of rows.
+        q = q.reshape(num_seqs, max_q, kv_heads, n_rep, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(num_seqs, kv_heads, n_rep * max_q, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=metadata.grouped_mask(n_rep), scale=self.scale)
+        # [B, kv_heads, n_rep, Q, D] -> [B, Q, heads * D]
+        out = out.view(num_seqs, kv_heads, n_rep, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(num_seqs * max_q, self.num_heads * head_dim)
+        if pad_index is not None:
+            out = out.index_select(0, pad_index)
+        return out

@@ -1,0 +1,138 @@
+"""The pre-norm decoder layer shared by the Llama, Qwen2 and Qwen3 families (and by draft heads).
+
+The families differ only in switches of :class:`DecoderLayerConfig` (biases, per-head q/k norms).
+Projections that read the same input are fused into one matmul (q/k/v into ``qkv_proj``, gate/up
+into ``gate_up_proj``): at batch 1 on a CPU a step is a chain of small matmuls whose fixed cost
+dominates, so fewer, larger ones are faster. :func:`fused_projections` tells the weight loader how
+the checkpoint's separate tensors stack into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonar_core.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from sonar_core.layers.linear import Linear
+from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.rotary import apply_rotary
+
+ACTIVATIONS = {"silu": F.silu}
+
+
+@dataclass(frozen=True)
+class DecoderLayerConfig:
+    """Shape and switches of one decoder layer."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias sets this and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.hidden_act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
+
+
+def fused_projections(config: DecoderLayerConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module name -> (fused module name, first row, end row) inside a decoder layer."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_rows, q_rows + kv_rows),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, q_rows + 2 * kv_rows),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+
+
+class SelfAttention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norms, RoPE, paged attention, output projection."""
+
+    def __init__(self, config: DecoderLayerConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.qk_heads = config.num_heads + config.num_kv_heads
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_rows, bias=config.qkv_bias)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        qk_width = self.qk_heads * self.head_dim
+        # q and k heads side by side: one RoPE application rotates both.
+        qk = qkv[:, :qk_width].view(tokens, self.qk_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, metadata)
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: DecoderLayerConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        inter = self.intermediate_size
+        return self.down_proj(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
+
+
+class DecoderLayer(nn.Module):
+    """``h + attn(norm(h))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: DecoderLayerConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` -> the layer's output ``[T, hidden_size]``."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

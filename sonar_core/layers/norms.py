@@ -1,0 +1,32 @@
+"""RMS normalisation as the Llama/Qwen families define it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    The statistics are always computed in float32 and the result is cast back to the input dtype
+    *before* the weight is applied, which is the order the reference checkpoints were trained with;
+    doing the multiply in float32 instead shifts bf16 outputs by one ulp often enough to change
+    greedy tokens.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self._shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel: same arithmetic as the general branch when no cast is involved.
+            return F.rms_norm(x, self._shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self._shape, None, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self._shape[0]}, eps={self.eps}"

@@ -1,0 +1,123 @@
+"""Rotary position embeddings (RoPE) with the ``default``, ``linear`` and ``llama3`` frequency rules.
+
+The cos/sin tables are computed once per forward from the step's positions and shared by every
+layer, so the per-layer cost is three element-wise ops on q and k together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """The frequency rule of one model's rotary embedding."""
+
+    head_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"
+    # linear and llama3: positions are stretched by this factor.
+    factor: float = 1.0
+    # llama3 only: wavelength band where frequencies are blended instead of scaled or kept.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, head_dim: int) -> RopeConfig:
+        """Read the rope settings of a Hugging Face config.
+
+        transformers >= 5 keeps everything in ``rope_parameters``; older configs have ``rope_theta``
+        plus an optional ``rope_scaling`` dict. Both spellings are accepted.
+        """
+        params = getattr(hf_config, "rope_parameters", None)
+        if params is None:
+            params = dict(getattr(hf_config, "rope_scaling", None) or {})
+            params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+        return cls(
+            head_dim=head_dim,
+            theta=float(params.get("rope_theta", 10000.0)),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings")
+                or getattr(hf_config, "max_position_embeddings", 8192)
+            ),
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """The ``head_dim // 2`` inverse frequencies in float32, on the CPU."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            return self._llama3(inv_freq)
+        return inv_freq
+
+    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        # Long wavelengths (beyond the pretraining context / low_freq_factor) are slowed down by
+        # `factor`, short ones (below context / high_freq_factor) are kept, and the band in between
+        # is interpolated linearly in 1/wavelength.
+        old_len = self.original_max_position_embeddings
+        low_freq_wavelen = old_len / self.low_freq_factor
+        high_freq_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding:
+    """Computes per-step cos/sin tables and applies them (the "rotate half" RoPE layout)."""
+
+    def __init__(self, config: RopeConfig) -> None:
+        self.config = config
+        self._inv_freq_cpu = config.inv_freq()
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        inv_freq = self._inv_freq_by_device.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device[device] = self._inv_freq_cpu.to(device)
+        return inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)``, each ``[T, 1, head_dim]`` in ``dtype``, for :func:`apply_rotary`.
+
+        The angles are formed in float32 (positions up to 10^6 lose precision in bf16). The sine
+        carries the sign of the rotation (``-sin`` on the first half) so that applying RoPE needs no
+        negation per layer.
+        """
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq(positions.device)
+        cos = freqs.cos()
+        sin = freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by the tables of :meth:`RotaryEmbedding.cos_sin`.
+
+    Equal to ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``: rolling by
+    half the head swaps the halves and the signed sine supplies the minus.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

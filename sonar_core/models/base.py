@@ -1,0 +1,77 @@
+"""The interface every target model implements, as the model runner and proposers see it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar_core.layers.attention import AttentionMetadata, KVCache
+from sonar_core.spec_decode.proposer import KVLayerSpec
+
+
+class CausalLM(nn.Module, ABC):
+    """A causal language model over the paged KV cache.
+
+    Subclasses are constructed from a Hugging Face config alone (``cls(hf_config)``) and receive
+    their weights through :meth:`load_weights`; :meth:`create` does both steps without spending
+    time on random initialisation.
+    """
+
+    hf_config: Any
+    # The output projection; when the checkpoint ties embeddings its weight *is* the embedding's,
+    # so a proposer sharing it shares one tensor.
+    lm_head: nn.Linear
+
+    @classmethod
+    def create(cls, hf_config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
+        """An instance with uninitialised parameters of ``dtype`` on ``device``, in eval mode and
+        without gradients; call :meth:`load_weights` next.
+
+        Construction happens on the meta device, so no memory is touched and no random init runs.
+        """
+        with torch.device("meta"):
+            model = cls(hf_config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()
+        return model.eval().requires_grad_(False)
+
+    def tie_weights(self) -> None:  # noqa: B027 - models without tied weights need nothing
+        """Re-point tied parameters at each other (after a device move broke the sharing)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the decoder over one flattened batch.
+
+        ``input_ids`` ``[T]`` (or ``inputs_embeds`` ``[T, H]``), ``positions`` ``[T]``, one
+        ``(k_cache, v_cache)`` per decoder layer. Returns the final normed hidden states ``[T, H]``
+        and ``{layer: [T, H]}``, the *output* of each decoder layer named in ``capture_layers``
+        (before the final norm).
+        """
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` final hidden states -> ``[N, vocab]`` float32 logits."""
+
+    @abstractmethod
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, H]`` input embeddings (shared with proposers)."""
+
+    @abstractmethod
+    def kv_cache_specs(self) -> list[KVLayerSpec]:
+        """One spec per decoder layer, in layer order (the order of ``kv_caches``)."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in the Hugging Face checkpoint; strict (see ``load_named_weights``)."""

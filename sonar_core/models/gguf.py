@@ -1,0 +1,91 @@
+"""GGUF files, converted once into a cached Hugging Face folder.
+
+Dequantizing a GGUF checkpoint takes seconds to minutes, so the result (config.json,
+model.safetensors in float32, tokenizer files, generation_config.json) is written once under
+``$SONAR_CACHE_DIR/gguf`` (default ``~/.cache/sonar/gguf``) in a folder keyed by the file's resolved
+path, size and modification time; later loads read the folder. A changed file gets a new key and is
+converted again. The folder appears by an atomic rename of a finished temporary folder, so an
+interrupted conversion never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "SONAR_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/sonar"
+SOURCE_RECORD = "sonar_gguf_source.json"
+
+
+def cache_root() -> Path:
+    """``$SONAR_CACHE_DIR``, or ``~/.cache/sonar``."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def _source_identity(gguf_path: Path) -> dict[str, object]:
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the conversion of ``gguf_path`` lives (whether or not it exists yet)."""
+    identity = json.dumps(_source_identity(Path(gguf_path)), sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{Path(gguf_path).stem}-{digest}"
+
+
+def is_converted(folder: Path) -> bool:
+    """True when ``folder`` holds a finished conversion (the provenance record is written last)."""
+    return (folder / SOURCE_RECORD).is_file()
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """The cached Hugging Face folder of ``gguf_path``, converting it first if needed."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    dest = gguf_cache_dir(gguf_path)
+    if is_converted(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to %s (once; later loads use the cache)", gguf_path, dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        _write_hf_folder(gguf_path, tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            # Another process finished the same conversion first: keep its folder.
+            if not is_converted(dest):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _write_hf_folder(gguf_path: Path, out: Path) -> None:
+    """Dequantize ``gguf_path`` with transformers' GGUF reader and save it as a HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # Otherwise config.json keeps a quantization_config pointing at the GGUF file.
+        model.hf_quantizer.remove_quantization_config(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    if model.generation_config.eos_token_id is None and tokenizer.eos_token_id is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / SOURCE_RECORD).write_text(json.dumps(_source_identity(gguf_path), indent=2) + "\n")

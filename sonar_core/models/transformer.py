@@ -1,0 +1,107 @@
+"""One decoder-only transformer for every supported family; families differ only by configuration.
+
+Parameter names follow the Hugging Face layout (``model.embed_tokens``, ``model.layers.{i}.*``,
+``model.norm``, ``lm_head``) except for the fused projections, which the loader fills from the
+checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar_core.layers.attention import AttentionMetadata, KVCache
+from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, fused_projections
+from sonar_core.layers.linear import Linear, drop_prepacked, prepack_linears
+from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding
+from sonar_core.models.base import CausalLM
+from sonar_core.models.weights import load_named_weights
+from sonar_core.spec_decode.proposer import KVLayerSpec
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm (the ``model.`` prefix of the checkpoint)."""
+
+    def __init__(self, vocab_size: int, num_layers: int, layer_config: DecoderLayerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, layer_config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(layer_config) for _ in range(num_layers))
+        self.norm = RMSNorm(layer_config.hidden_size, layer_config.rms_norm_eps)
+
+
+class DecoderOnlyLM(CausalLM):
+    """A pre-norm decoder-only language model; subclasses implement :meth:`layer_config`."""
+
+    @classmethod
+    @abstractmethod
+    def layer_config(cls, hf_config: Any) -> DecoderLayerConfig:
+        """Translate the Hugging Face config of this family into the layer's switches."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        _reject_sliding_window(hf_config)
+        self.hf_config = hf_config
+        self.config = self.layer_config(hf_config)
+        self.num_layers = hf_config.num_hidden_layers
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = DecoderStack(hf_config.vocab_size, self.num_layers, self.config)
+        self.lm_head = Linear(self.config.hidden_size, hf_config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(RopeConfig.from_hf_config(hf_config, self.config.head_dim))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
+            if capture_layers and index in capture_layers:
+                captured[index] = hidden
+        return self.model.norm(hidden), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_specs(self) -> list[KVLayerSpec]:
+        spec = KVLayerSpec(num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim)
+        return [spec] * self.num_layers
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def ignore(name: str) -> bool:
+            # Older checkpoints store the rotary table; tied ones may still carry a copy of the
+            # embedding as lm_head.weight.
+            return name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight")
+
+        drop_prepacked(self)
+        load_named_weights(self, weights, fused_projections(self.config), ignore)
+        prepack_linears(self)
+
+
+def _reject_sliding_window(hf_config: Any) -> None:
+    """Sliding-window layers would silently attend too far; refuse them instead."""
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if getattr(hf_config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        raise ValueError(
+            f"{hf_config.model_type}: sliding-window attention is not supported; "
+            "use a checkpoint with use_sliding_window=false"
+        )

@@ -1,0 +1,220 @@
+"""PagedAttention and AttentionMetadata against a naive per-sequence reference."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention, allocate_kv_cache
+from sonar_core.layers.rotary import RopeConfig
+from sonar_core.spec_decode.proposer import KVLayerSpec
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+
+
+def naive_attention(q, keys, values, query_len, causal):
+    """One sequence: q [q_len, H, D] over keys/values [L, Hkv, D] (the last q_len are the new ones)."""
+    rep = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(rep, dim=1)
+    values = values.repeat_interleave(rep, dim=1)
+    seq_len = keys.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[-1])
+    if causal:
+        query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(query_len, -1)
+
+
+class Scenario:
+    """Random sequences with scattered block tables, their full K/V history, and a cache holding
+    all but each sequence's new tokens."""
+
+    def __init__(self, context_lens, query_lens, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        self.query_lens = query_lens
+        self.seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+        free = list(range(64))
+        rng.shuffle(free)
+        self.tables = [[free.pop() for _ in range(-(-n // BLOCK))] for n in self.seq_lens]
+        self.cache = allocate_kv_cache([KVLayerSpec(KV_HEADS, HEAD_DIM)], 64, BLOCK, torch.float32, "cpu")[0]
+        # Garbage everywhere except what a sequence wrote: masking must hide it.
+        self.cache[0].normal_(generator=gen)
+        self.cache[1].normal_(generator=gen)
+        self.keys = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in self.seq_lens]
+        self.values = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in self.seq_lens]
+        self.q = [torch.randn(q, HEADS, HEAD_DIM, generator=gen) for q in query_lens]
+        for table, keys, values, context in zip(self.tables, self.keys, self.values, context_lens, strict=True):
+            for pos in range(context):
+                block, offset = table[pos // BLOCK], pos % BLOCK
+                self.cache[0][block, offset] = keys[pos]
+                self.cache[1][block, offset] = values[pos]
+
+    def run(self, causal, device="cpu"):
+        metadata = AttentionMetadata.build(
+            self.query_lens, self.seq_lens, self.tables, BLOCK, torch.device(device), causal
+        )
+        new = [slice(s - q, s) for s, q in zip(self.seq_lens, self.query_lens, strict=True)]
+        q = torch.cat(self.q)
+        k = torch.cat([keys[n] for keys, n in zip(self.keys, new, strict=True)])
+        v = torch.cat([values[n] for values, n in zip(self.values, new, strict=True)])
+        cache = tuple(c.to(device) for c in self.cache)  # the cache itself on the CPU
+        out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q.to(device), k.to(device), v.to(device), cache, metadata)
+        return out.cpu(), metadata
+
+    def reference(self, causal):
+        return torch.cat(
+            [
+                naive_attention(q, keys, values, len(q), causal)
+                for q, keys, values in zip(self.q, self.keys, self.values, strict=True)
+            ]
+        )
+
+
+SHAPES = [
+    pytest.param([0], [1], id="first-token"),
+    pytest.param([200], [1], id="decode-batch1"),
+    pytest.param([7, 12, 3], [1, 1, 1], id="decode-ragged"),
+    pytest.param([8, 8], [1, 1], id="decode-equal"),
+    pytest.param([0], [9], id="prefill"),
+    pytest.param([0, 0, 0], [5, 11, 2], id="prefill-ragged"),
+    pytest.param([9], [6], id="prefill-second-chunk"),
+    pytest.param([0, 13, 5, 20], [7, 1, 4, 1], id="mixed"),
+    pytest.param([4, 4], [3, 3], id="uniform-queries"),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("context_lens,query_lens", SHAPES)
+def test_paged_attention_matches_reference(context_lens, query_lens, causal):
+    scenario = Scenario(context_lens, query_lens)
+    out, _ = scenario.run(causal)
+    torch.testing.assert_close(out, scenario.reference(causal), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("context_lens,query_lens", SHAPES)
+def test_paged_attention_on_cuda_matches_reference(context_lens, query_lens, causal):
+    scenario = Scenario(context_lens, query_lens)
+    out, _ = scenario.run(causal, device="cuda")
+    # CUDA kernels order their reductions differently.
+    torch.testing.assert_close(out, scenario.reference(causal), rtol=1e-4, atol=1e-4)
+
+
+def test_new_tokens_are_written_to_their_slots():
+    scenario = Scenario([6, 0], [3, 5])
+    _, metadata = scenario.run(causal=True)
+    flat_k = scenario.cache[0].view(-1, KV_HEADS, HEAD_DIM)
+    for i, (table, keys) in enumerate(zip(scenario.tables, scenario.keys, strict=True)):
+        for pos in range(scenario.seq_lens[i]):
+            torch.testing.assert_close(flat_k[table[pos // BLOCK] * BLOCK + pos % BLOCK], keys[pos])
+    assert metadata.positions.tolist() == [6, 7, 8, 0, 1, 2, 3, 4]
+
+
+def test_non_causal_block_sees_all_its_new_tokens():
+    """Non-causal: the first new token's output depends on the last new token's K/V; causal: not."""
+    base = Scenario([5], [4], seed=3)
+    changed = Scenario([5], [4], seed=3)
+    changed.keys[0][-1] += 1.0
+    changed.values[0][-1] += 1.0
+    for causal, should_change in ((True, False), (False, True)):
+        first = base.run(causal)[0][0]
+        first_changed = changed.run(causal)[0][0]
+        assert (not torch.allclose(first, first_changed)) == should_change
+    # And the earlier context is visible to every new token in both modes.
+    mask = AttentionMetadata.build([4], [9], [[0, 1, 2]], BLOCK, torch.device("cpu"), causal=False).attn_mask
+    assert mask is None or bool(mask[..., :9].all())
+
+
+def test_metadata_masks_only_when_needed():
+    cpu = torch.device("cpu")
+    assert AttentionMetadata.build([1], [50], [list(range(13))], BLOCK, cpu).attn_mask is None
+    assert AttentionMetadata.build([1, 1], [9, 9], [[0, 1, 2], [3, 4, 5]], BLOCK, cpu).attn_mask is None
+    ragged = AttentionMetadata.build([1, 1], [9, 3], [[0, 1, 2], [3]], BLOCK, cpu)
+    assert ragged.attn_mask is not None and ragged.attn_mask[1, 0, 0].tolist() == [True] * 3 + [False] * 6
+    prefill = AttentionMetadata.build([3], [5], [[0, 1]], BLOCK, cpu)
+    assert prefill.attn_mask[0, 0].tolist() == [
+        [True, True, True, False, False],
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+    ]
+    assert AttentionMetadata.build([3], [5], [[0, 1]], BLOCK, cpu, causal=False).attn_mask is None
+
+
+def test_metadata_from_tensors_equals_build():
+    built = AttentionMetadata.build([2, 1], [6, 4], [[3, 1], [2]], BLOCK, torch.device("cpu"))
+    direct = AttentionMetadata(
+        query_start_loc=built.query_start_loc,
+        seq_lens=built.seq_lens,
+        block_tables=built.block_tables,
+        slot_mapping=built.slot_mapping,
+        positions=built.positions,
+        block_size=BLOCK,
+    )
+    assert (direct.num_seqs, direct.max_query_len, direct.max_seq_len) == (2, 2, 6)
+    assert torch.equal(direct.context_block_ids, built.context_block_ids)
+    assert torch.equal(direct.query_pad_index, built.query_pad_index)
+    assert torch.equal(direct.attn_mask, built.attn_mask)
+    assert built.slot_mapping.tolist() == [1 * BLOCK + 0, 1 * BLOCK + 1, 2 * BLOCK + 3]
+    assert built.block_tables.tolist() == [[3, 1], [2, 0]]
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens,tables,message",
+    [
+        ([2], [1], [[0]], "query_len <= seq_len"),
+        ([0], [3], [[0]], "query_len <= seq_len"),
+        ([1], [9], [[0, 1]], "cannot hold 9 tokens"),
+        ([1, 1], [2], [[0]], "equal length"),
+    ],
+)
+def test_metadata_rejects_inconsistent_input(query_lens, seq_lens, tables, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, torch.device("cpu"))
+
+
+def test_gqa_requires_divisible_heads():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        PagedAttention(5, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ],
+    ids=lambda p: p["rope_type"],
+)
+def test_rope_frequencies_match_transformers(params):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_parameters=dict(params))
+    ours = RopeConfig.from_hf_config(config, head_dim=128).inv_freq()
+    if params["rope_type"] == "default":
+        theirs = 1.0 / (params["rope_theta"] ** (torch.arange(0, 128, 2, dtype=torch.float) / 128))
+    else:
+        theirs, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_unsupported_rope_is_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        RopeConfig.from_hf_config(config, head_dim=64)
