@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -50,11 +49,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    proposer_state: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -67,11 +61,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prefill_done(self) -> bool:
-        """True once every known token but the newest has its KV computed (decode phase)."""
-        return self.num_computed_tokens >= self.num_tokens - 1
 
     def clear_drafts(self) -> None:
         self.draft_token_ids = []
