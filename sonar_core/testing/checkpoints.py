@@ -210,7 +210,6 @@ def build_tiny_checkpoint(
         pad_token_id=hf_tokenizer.pad_token_id,
         rope_parameters=rope_parameters,
     )
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
