@@ -11,8 +11,9 @@ machine load during the run affects all of them alike.
 The embedded model (SmolLM2-135M-Instruct) runs in bfloat16, where verifying several drafted
 tokens costs little more than one forward pass on a CPU with bf16 support.
 
-Columns: method, output tokens/s over the whole run (warm-up excluded), mean acceptance length
-(1 + accepted / drafts, the bonus token included), the speed ratio to no speculation, and how many
+Columns: method, output tokens, output tokens/s over the whole run (warm-up excluded), mean
+acceptance length (1 + accepted / drafts, the bonus token included; a step without a draft is not
+a draft), the speed ratio to no speculation, drafted and accepted draft tokens, and how many
 responses equal those without speculation. In bfloat16 a step that verifies several tokens rounds
 differently from a one-token step and can flip near-ties, so some responses differ (and the
 methods then decode slightly different text); ``--dtype float32`` makes them all equal, at a
@@ -139,8 +140,17 @@ def build(name: str, speculative_config: dict[str, Any] | None, args: argparse.N
     return Method(name, llm, speculative_config is not None)
 
 
-def run(methods: list[Method], prompts: list[str], max_tokens: int) -> dict[str, float | None]:
-    """Send every prompt to every method, one request at a time; return each mean acceptance length.
+@dataclass
+class Acceptance:
+    """Speculation figures of one method over the timed run."""
+
+    drafted: int
+    accepted: int
+    mean_acceptance_length: float
+
+
+def run(methods: list[Method], prompts: list[str], max_tokens: int) -> dict[str, Acceptance]:
+    """Send every prompt to every method, one request at a time; return the speculating methods' figures.
 
     The methods take turns request by request (in a rotating order), so a change in machine load
     during the run affects all of them alike.
@@ -154,16 +164,19 @@ def run(methods: list[Method], prompts: list[str], max_tokens: int) -> dict[str,
             (output,) = method.llm.generate([prompt], params, use_tqdm=False)
             method.seconds += time.perf_counter() - start
             method.outputs.append(list(output.outputs[0].token_ids))
-    lengths: dict[str, float | None] = {}
+    figures: dict[str, Acceptance] = {}
     for method in methods:
         if not method.speculative:
-            lengths[method.name] = None
             continue
         after = method.llm.get_spec_decode_metrics()
         drafts = after.num_drafts - before[method.name].num_drafts
         accepted = after.num_accepted_tokens - before[method.name].num_accepted_tokens
-        lengths[method.name] = 1.0 + accepted / drafts if drafts else 1.0
-    return lengths
+        figures[method.name] = Acceptance(
+            drafted=after.num_draft_tokens - before[method.name].num_draft_tokens,
+            accepted=accepted,
+            mean_acceptance_length=1.0 + accepted / drafts if drafts else 1.0,
+        )
+    return figures
 
 
 def main() -> None:
@@ -189,7 +202,7 @@ def main() -> None:
     ]
     methods = [build(name, config, args) for name, config in configs]
     prompts = build_prompts(methods[0].llm.get_tokenizer(), args.sessions, args.turns)
-    lengths = run(methods, prompts, args.max_tokens)
+    figures = run(methods, prompts, args.max_tokens)
     tokenizer = methods[0].llm.get_tokenizer()
     for method in methods:
         for tokens in method.outputs[: args.show]:
@@ -199,14 +212,20 @@ def main() -> None:
         f"\n{len(prompts)} requests ({args.sessions} sessions x {args.turns} turns), one at a time, "
         f"embedded SmolLM2-135M-Instruct, {args.dtype}, greedy, max_tokens={args.max_tokens}\n"
     )
-    print(f"{'method':<8} {'tokens':>7} {'tokens/s':>9} {'mean acc. len':>14} {'vs none':>8} {'same output':>12}")
+    print(
+        f"{'method':<8} {'tokens':>7} {'tokens/s':>9} {'mean acc. len':>14} {'vs none':>8} "
+        f"{'drafted':>8} {'accepted':>9} {'same output':>12}"
+    )
     for method in methods:
-        length = lengths[method.name]
-        shown = f"{length:.2f}" if length is not None else "-"
+        figure = figures.get(method.name)
+        length, drafted, accepted = (
+            (f"{figure.mean_acceptance_length:.2f}", str(figure.drafted), str(figure.accepted)) if figure else ("-",) * 3
+        )
         same = sum(a == b for a, b in zip(method.outputs, baseline.outputs, strict=True))
         print(
-            f"{method.name:<8} {method.tokens:>7} {method.tokens_per_second:>9.2f} {shown:>14} "
-            f"{method.tokens_per_second / baseline.tokens_per_second:>7.2f}x {same:>7}/{len(prompts)}"
+            f"{method.name:<8} {method.tokens:>7} {method.tokens_per_second:>9.2f} {length:>14} "
+            f"{method.tokens_per_second / baseline.tokens_per_second:>7.2f}x {drafted:>8} {accepted:>9} "
+            f"{same:>7}/{len(prompts)}"
         )
 
 

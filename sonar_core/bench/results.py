@@ -1,0 +1,47 @@
+"""A measured (or skipped) row, and the ratios that relate rows of one run to each other."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sonar_core.bench.figures import RowFigures, match_rate, prefix_agreement, ratio
+from sonar_core.bench.peers.peer_protocol import RunResult
+from sonar_core.bench.rows import SONAR, RowSpec
+
+
+@dataclass
+class RowResult:
+    """One row at one concurrency: what ran, what it measured, or why it did not run."""
+
+    row: RowSpec
+    concurrency: int
+    request_rate: float
+    result: RunResult | None = None
+    figures: RowFigures | None = None
+    skipped: str | None = None  # why the row has no figures (not installed, failed, not applicable)
+    other_cpu: float | None = None  # cores busy with other work while the row ran (see cpu_load)
+
+    @property
+    def label(self) -> str:
+        return self.row.label
+
+
+def compare(results: Sequence[RowResult]) -> None:
+    """Fill each row's ratios: output throughput and output equality against the same engine's
+    plain row (the speedup speculation brings), and against Sonar's plain row at the same
+    concurrency (where Sonar stands)."""
+    measured = [(r, r.figures, r.result) for r in results if r.figures is not None and r.result is not None]
+    for item, figures, result in measured:
+        same_load = [m for m in measured if (m[0].concurrency, m[0].request_rate) == (item.concurrency, item.request_rate)]
+        plain = next((m for m in same_load if m[0].row.engine == item.row.engine and m[0].row.is_plain), None)
+        sonar = next((m for m in same_load if m[0].row.engine == SONAR and m[0].row.is_plain), None)
+        if plain is not None:
+            _, plain_figures, plain_result = plain
+            figures.speedup = ratio(figures.output_throughput, plain_figures.output_throughput)
+            figures.match_plain = match_rate(result.requests, plain_result.requests)
+        if sonar is not None:
+            _, sonar_figures, sonar_result = sonar
+            figures.vs_sonar = ratio(figures.output_throughput, sonar_figures.output_throughput)
+            figures.match_sonar = match_rate(result.requests, sonar_result.requests)
+            figures.prefix_agreement_sonar = prefix_agreement(result.requests, sonar_result.requests)

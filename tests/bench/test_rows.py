@@ -1,0 +1,63 @@
+"""Rows from the command line: Sonar configurations, peer specs, draft checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sonar_core.bench.rows import RowSpec, parse_peer, peer_rows, sonar_rows, with_draft
+from sonar_core.errors import ConfigError
+
+
+def test_sonar_rows_start_with_the_plain_row() -> None:
+    rows = sonar_rows(['{"method": "ngram", "num_speculative_tokens": 4}', {"method": "suffix"}])
+    assert [r.label for r in rows] == ["sonar", "sonar ngram k=4", "sonar suffix"]
+    assert rows[0].is_plain and rows[1].options == {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize(("value", "message"), [("{bad", "not valid JSON"), ('{"num_speculative_tokens": 2}', "names no method")])
+def test_bad_sonar_configs_are_config_errors(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        sonar_rows([value])
+
+
+def test_peer_specs() -> None:
+    assert parse_peer("hf") == RowSpec("hf", None)
+    lookup = parse_peer('hf:prompt_lookup={"num_speculative_tokens": 6}')
+    assert (lookup.method, lookup.options, lookup.label) == ("prompt_lookup", {"num_speculative_tokens": 6}, "hf prompt_lookup k=6")
+    assert parse_peer("vllm:ngram").options == {"num_speculative_tokens": 4}  # the default depth
+    assert parse_peer("llama_cpp").label == "llama.cpp"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nope", "unknown peer engine"),
+        ("hf:ngram", "hf:prompt_lookup"),
+        ('vllm:ngram={"depth": 3}', "does not take depth"),
+        ("hf:assistant={oops", "not valid JSON"),
+    ],
+)
+def test_bad_peer_specs_name_the_choices(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_peer(text)
+
+
+def test_each_peer_gets_its_plain_row_first_once() -> None:
+    rows = peer_rows(["hf:prompt_lookup", "vllm", "hf", "hf:assistant"])
+    assert [(r.engine, r.method) for r in rows] == [
+        ("hf", None), ("hf", "prompt_lookup"), ("hf", "assistant"), ("vllm", None),
+    ]
+
+
+def test_draft_rows_get_the_truncated_draft(tmp_path: Path) -> None:
+    rows = [RowSpec("sonar", "draft_model", {"method": "draft_model"}), RowSpec("hf", "assistant", {"model": "/mine"})]
+    filled = with_draft(rows, [tmp_path / "first8layers", tmp_path / "first16layers"])
+    assert [row.label for row in filled] == [
+        "sonar draft_model (first8layers)", "sonar draft_model (first16layers)", "hf assistant (mine)",
+    ]
+    assert filled[0].options["model"] == str(tmp_path / "first8layers")
+    assert filled[2].options["model"] == "/mine"  # a named draft is kept
+    with pytest.raises(ConfigError, match="--truncated-draft"):
+        with_draft(rows[:1], [])
