@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def busy_cpu_seconds() -> float | None:
@@ -69,3 +74,56 @@ class LoadMeter:
             return None
         other = (busy - busy_before) - (_own_cpu_seconds(self.pids) - own_before)
         return max(other, 0.0) / wall
+
+
+@dataclass(frozen=True)
+class QuietPolicy:
+    """When a row counts as measured on a quiet machine, and what to do when it is not.
+
+    Before each attempt the benchmark waits (up to ``max_wait_s``) until other work keeps fewer
+    than ``max_other_cpu`` cores busy; an attempt during which other work went above it is made
+    again, up to ``max_attempts`` in all, and the quietest attempt is kept.
+    """
+
+    max_other_cpu: float
+    max_attempts: int = 3
+    max_wait_s: float = 300.0
+    window_s: float = 2.0  # how long each look at the machine lasts while waiting
+
+    def is_quiet(self, other_cpu: float | None) -> bool:
+        return other_cpu is None or other_cpu <= self.max_other_cpu
+
+
+def wait_until_quiet(policy: QuietPolicy) -> float | None:
+    """Sample the machine in windows of ``policy.window_s`` until it is quiet or ``max_wait_s``
+    has passed; return the last sample (None where /proc/stat does not exist)."""
+    deadline = time.monotonic() + policy.max_wait_s
+    while True:
+        meter = LoadMeter().start()
+        time.sleep(policy.window_s)
+        other = meter.stop()
+        if policy.is_quiet(other) or time.monotonic() >= deadline:
+            return other
+
+
+def quietest(
+    policy: QuietPolicy | None,
+    attempt: Callable[[int], tuple[T, float | None]],
+    on_retry: Callable[[float | None], None] = lambda other: None,
+) -> tuple[T, float | None, int]:
+    """Run ``attempt(number)`` (which returns a value and the other-work load it saw) once, or,
+    under a policy, until an attempt is quiet or the attempts run out; return the quietest value,
+    its load and how many attempts were made."""
+    if policy is not None:
+        wait_until_quiet(policy)
+    best_value, best_other = attempt(1)
+    number = 1
+    attempts = policy.max_attempts if policy is not None else 1
+    while policy is not None and not policy.is_quiet(best_other) and number < attempts:
+        on_retry(best_other)
+        wait_until_quiet(policy)
+        number += 1
+        value, other = attempt(number)
+        if other is None or best_other is None or other < best_other:
+            best_value, best_other = value, other
+    return best_value, best_other, number

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sonar_core.bench.cpu_load import LoadMeter
+from sonar_core.bench.cpu_load import LoadMeter, QuietPolicy, quietest
 from sonar_core.bench.figures import row_figures
 from sonar_core.bench.http_client import Endpoint, HTTPBenchError, stream_completion
 from sonar_core.bench.offline import worker_env
@@ -44,74 +44,91 @@ class ServePlan:
     engine_args: dict[str, Any] = field(default_factory=dict)  # flags of the servers started here
     url: str | None = None
     api_key: str | None = None
+    quiet: QuietPolicy | None = None  # applies to servers started here (a --url server's CPU is not ours)
 
     @property
     def num_runs(self) -> int:
         return (1 if self.url else len(self.rows)) * len(self.concurrencies)
 
 
+
 def run_serve(plan: ServePlan, progress: Progress) -> list[RowResult]:
     if plan.url:
         endpoint = Endpoint(plan.url, plan.api_key)
         row = RowSpec("server", None, name=f"server {endpoint.url}")
-        results = _measure(plan, endpoint, row, None, progress)
+        results = [_at_url(plan, endpoint, row, concurrency, progress) for concurrency in plan.concurrencies]
     else:
-        results = []
-        for row in plan.rows:
-            results += _run_with_server(plan, row, progress)
+        results = [_with_own_server(plan, row, concurrency, progress) for row in plan.rows for concurrency in plan.concurrencies]
     compare(results)
     return results
 
 
-def _run_with_server(plan: ServePlan, row: RowSpec, progress: Progress) -> list[RowResult]:
+def _at_url(plan: ServePlan, endpoint: Endpoint, row: RowSpec, concurrency: int, progress: Progress) -> RowResult:
+    """A running server, measured as it is: once, and with whatever it learnt from earlier requests."""
+    outcome = RowResult(row, concurrency, plan.request_rate)
+    progress.start_row(f"{row.label} c={concurrency}", len(plan.requests))
+    try:
+        outcome.result, _ = _measure(plan, endpoint, None, concurrency, progress.advance)
+        outcome.figures = row_figures(outcome.result)
+    except HTTPBenchError as exc:
+        outcome.skipped = f"failed: {str(exc).splitlines()[0]}"
+    finally:
+        progress.finish_row()
+    return outcome
+
+
+def _with_own_server(plan: ServePlan, row: RowSpec, concurrency: int, progress: Progress) -> RowResult:
+    """A fresh server for every measurement, so that a method that learns from earlier responses
+    (suffix) never sees this workload before it is measured."""
     args = [plan.target.model] if plan.target.model else []
-    args += engine_flags({"max_num_seqs": max(plan.concurrencies), **plan.engine_args})
+    args += engine_flags({"max_num_seqs": concurrency, **plan.engine_args})
     if row.method is not None:
         args += ["--speculative-config", json.dumps(row.options)]
-    log_path = plan.log_dir / f"server-{''.join(c if c.isalnum() else '_' for c in row.label)}.log"
-    try:
+    label = f"{row.label} c={concurrency}"
+    log_path = plan.log_dir / f"server-{''.join(c if c.isalnum() else '_' for c in label)}.log"
+    outcome = RowResult(row, concurrency, plan.request_rate)
+    progress.start_row(label, len(plan.requests))
+
+    def attempt(number: int) -> tuple[RunResult, float | None]:
         with ServerProcess(args, worker_env(plan.threads), log_path) as server:
-            return _measure(plan, server.endpoint, row, server, progress)
+            # The bar counts a row's requests once, on its first attempt.
+            return _measure(plan, server.endpoint, server, concurrency, progress.advance if number == 1 else None)
+
+    def busy(other: float | None) -> None:
+        progress.write(f"{label}: other work kept {other:.1f} cores busy; measuring again")
+
+    try:
+        outcome.result, outcome.other_cpu, outcome.attempts = quietest(plan.quiet, attempt, busy)
+        outcome.quiet = plan.quiet.is_quiet(outcome.other_cpu) if plan.quiet else None
+        outcome.figures = row_figures(outcome.result)
     except HTTPBenchError as exc:
-        logger.warning("%s failed: %s", row.label, exc)
-        reason = f"failed: {str(exc).splitlines()[0]}"
-        skipped = []
-        for concurrency in plan.concurrencies:
-            progress.start_row(f"{row.label} c={concurrency}", len(plan.requests))
-            progress.finish_row()
-            skipped.append(RowResult(row, concurrency, plan.request_rate, skipped=reason))
-        return skipped
+        logger.warning("%s failed: %s", label, exc)
+        outcome.skipped = f"failed: {str(exc).splitlines()[0]}"
+    finally:
+        progress.finish_row()
+    return outcome
 
 
 def _measure(
-    plan: ServePlan, endpoint: Endpoint, row: RowSpec, server: ServerProcess | None, progress: Progress
-) -> list[RowResult]:
+    plan: ServePlan,
+    endpoint: Endpoint,
+    server: ServerProcess | None,
+    concurrency: int,
+    on_done: Callable[[int], None] | None,
+) -> tuple[RunResult, float | None]:
+    """One warm-up request, then the workload at ``concurrency``; the result and the other-work
+    load (None for a server that is not ours: its CPU would count as other work)."""
     model = endpoint.model_id()
     version = _version(endpoint)
     stream_completion(endpoint, model, "warmup", plan.warmup_prompt_token_ids, WARMUP_TOKENS)
-    results = []
-    for concurrency in plan.concurrencies:
-        progress.start_row(f"{row.label} c={concurrency}", len(plan.requests))
-        outcome = RowResult(row, concurrency, plan.request_rate)
-        meter = LoadMeter(pids=(server.pid,) if server is not None else ()).start()
-        try:
-            before = _snapshot(endpoint)
-            records, started, finished = run_load(
-                endpoint, model, plan.requests, plan.max_tokens, concurrency, plan.request_rate, plan.seed,
-                progress.advance,
-            )
-            after = _snapshot(endpoint)
-            # A server at --url is not ours: its CPU would count as other work.
-            outcome.other_cpu = meter.stop() if server is not None else None
-        except HTTPBenchError as exc:
-            outcome.skipped = f"failed: {exc}"
-        else:
-            outcome.result = _result(version, records, started, finished, before, after, server, plan)
-            outcome.figures = row_figures(outcome.result)
-        finally:
-            progress.finish_row()
-        results.append(outcome)
-    return results
+    meter = LoadMeter(pids=(server.pid,)).start() if server is not None else None
+    before = _snapshot(endpoint)
+    records, started, finished = run_load(
+        endpoint, model, plan.requests, plan.max_tokens, concurrency, plan.request_rate, plan.seed, on_done
+    )
+    after = _snapshot(endpoint)
+    other = meter.stop() if meter is not None else None
+    return _result(version, records, started, finished, before, after, server, plan), other
 
 
 def _result(
@@ -128,7 +145,7 @@ def _result(
     notes = ["client and server share the machine's cores"]
     if server is not None:
         peak = server.peak_rss_bytes()
-        notes.append("peak RSS of the server process since it started")
+        notes.append("peak RSS of the server process")
     else:
         peak = after.resident_memory_bytes
         notes.append(

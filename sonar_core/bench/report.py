@@ -139,7 +139,11 @@ def _notes(results: Sequence[RowResult]) -> list[str]:
     """Each distinct note once, with the rows it applies to; why skipped rows did not run."""
     by_note: dict[str, list[str]] = {}
     for item in results:
-        notes = item.figures.notes if item.figures is not None else [f"not run: {item.skipped}"]
+        notes = list(item.figures.notes) if item.figures is not None else [f"not run: {item.skipped}"]
+        if item.attempts > 1:
+            notes.append(f"measured {item.attempts} times because other work was running; the quietest attempt is shown")
+        if item.quiet is False:
+            notes.append("other work kept the machine busy in every attempt: these figures are less reliable")
         for note in notes:
             labels = by_note.setdefault(note, [])
             if item.label not in labels:
@@ -159,6 +163,8 @@ def to_json(meta: TableMeta, results: Sequence[RowResult]) -> dict[str, Any]:
             "concurrency": item.concurrency,
             "skipped": item.skipped,
             "other_cpu": item.other_cpu,
+            "attempts": item.attempts,
+            "quiet": item.quiet,
         }
         if item.result is not None and item.figures is not None:
             entry["engine_version"] = item.result.engine_version

@@ -21,6 +21,8 @@ class RowResult:
     figures: RowFigures | None = None
     skipped: str | None = None  # why the row has no figures (not installed, failed, not applicable)
     other_cpu: float | None = None  # cores busy with other work while the row ran (see cpu_load)
+    attempts: int = 1  # times measured; the quietest is kept (see cpu_load.QuietPolicy)
+    quiet: bool | None = None  # whether other_cpu stayed under the policy's limit (None: no policy)
 
     @property
     def label(self) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_core.bench.chart import matplotlib_available, write_chart
+from sonar_core.bench.cpu_load import QuietPolicy
 from sonar_core.bench.drafts import truncated_draft
 from sonar_core.bench.http_runner import ServePlan, run_serve
 from sonar_core.bench.offline import OfflinePlan, run_offline
@@ -52,6 +53,7 @@ class Setup:
     device: str
     engine_args: dict[str, Any]
     threads: int
+    quiet: QuietPolicy | None
 
 
 def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
@@ -64,6 +66,10 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
         raise ConfigError("request_rate", f"must be positive, got {args.request_rate}", "pass a rate in requests/s, or inf")
     if args.max_tokens < 1:
         raise ConfigError("max_tokens", f"must be at least 1, got {args.max_tokens}", "pass --max-tokens 1 or more")
+    if args.max_other_cpu is not None and args.max_other_cpu < 0:
+        raise ConfigError("max_other_cpu", f"must be 0 or more cores, got {args.max_other_cpu}", "pass e.g. --max-other-cpu 0.3")
+    if args.max_attempts < 1:
+        raise ConfigError("max_attempts", f"must be at least 1, got {args.max_attempts}", "pass --max-attempts 1 or more")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("threads", f"must be at least 1, got {args.threads}", "pass --threads 1 or more, or leave it out")
     workloads = [load_workload(name).head(args.num_prompts) for name in args.workload]
@@ -81,6 +87,7 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
         device=base.resolved_device(),
         engine_args=engine_args,
         threads=args.threads or os.cpu_count() or 1,
+        quiet=QuietPolicy(args.max_other_cpu, args.max_attempts) if args.max_other_cpu is not None else None,
     )
 
 
@@ -134,6 +141,7 @@ def bench_offline(args: argparse.Namespace, show_progress: bool = True) -> list[
             seed=_seed(args),
             engine_args=setup.engine_args,
             log_dir=args.log_dir,
+            quiet=setup.quiet,
         )
 
     return _measure(args, setup, "offline", plan, run_offline, show_progress)
@@ -165,6 +173,7 @@ def bench_serve(args: argparse.Namespace, show_progress: bool = True) -> list[Ta
             engine_args={**setup.engine_args, "dtype": setup.dtype, "device": setup.device},
             url=args.url,
             api_key=args.api_key,
+            quiet=setup.quiet,
         )
 
     return _measure(args, setup, "HTTP", plan, run_serve, show_progress)

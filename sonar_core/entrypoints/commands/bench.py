@@ -110,6 +110,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="Build a draft from the target's first N layers (built once, cached) for draft-model rows that name "
         "no model; several values run each such row once per draft.",
     )
+    group.add_argument(
+        "--max-other-cpu", type=float, default=None, metavar="CORES",
+        help="On a shared machine: wait until other work keeps fewer than CORES cores busy before each row, and "
+        "measure a row again (see --max-attempts) when other work went above it; default: measure once.",
+    )
+    group.add_argument(
+        "--max-attempts", type=int, default=3,
+        help="Most measurements of one row under --max-other-cpu; the quietest is kept (default: 3).",
+    )
     group.add_argument("--title", default=None, help="Heading of the table (default: workload, mode and dtype).")
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, default=None, metavar="PATH", help="Write every number as JSON.")
