@@ -122,6 +122,8 @@ def rejection_sample(
     backend = _resolve_backend(backend, target_logits.device)
     if metadata.num_requests == 0:
         return RejectionOutput(output_token_ids=[], num_accepted=[])
+    if sampling.all_greedy:
+        return _verify_greedy(target_logits, metadata)
     probs = processed_probs(target_logits, sampling.repeat_rows([k + 1 for k in metadata.num_draft_tokens]))
     # Per generator: the uniforms first, then the race weights (the fixed consumption order).
     uniforms = draw_acceptance_uniforms(sampling, metadata, target_logits.device)
@@ -140,6 +142,28 @@ def rejection_sample(
         output_token_ids=[row[: n + 1] for row, n in zip(rows, accepted, strict=True)],
         num_accepted=accepted,
     )
+
+
+def _verify_greedy(target_logits: Tensor, metadata: SpecDecodeMetadata) -> RejectionOutput:
+    """All-greedy batches: accept drafts while they equal the target's argmax, then emit its argmax.
+
+    The same result as the general walk with one-hot target rows and no noise, from one argmax per
+    row instead of several [rows, vocab] tensors, since greedy decoding is the common hot path.
+    """
+    top = target_logits.argmax(dim=-1).tolist()
+    drafts = metadata.draft_token_ids.tolist()
+    outputs: list[list[int]] = []
+    accepted: list[int] = []
+    row = draft = 0
+    for count in metadata.num_draft_tokens:
+        num = 0
+        while num < count and drafts[draft + num] == top[row + num]:
+            num += 1
+        outputs.append(drafts[draft : draft + num] + [top[row + num]])
+        accepted.append(num)
+        row += count + 1
+        draft += count
+    return RejectionOutput(output_token_ids=outputs, num_accepted=accepted)
 
 
 def draw_acceptance_uniforms(

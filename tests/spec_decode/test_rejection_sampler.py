@@ -359,3 +359,25 @@ def test_output_follows_processed_probs_with_temperature_and_top_k() -> None:
     freq = empirical(first, VOCAB)
     assert freq[expected == 0].sum() == 0.0
     assert float((freq - expected).abs().sum()) < l1_bound(NUM_REQUESTS, VOCAB)
+
+
+def test_greedy_fast_path_equals_the_general_walk() -> None:
+    generator = torch.Generator().manual_seed(0)
+    vocab = 50
+    counts = [3, 0, 5, 1, 4]
+    logits = torch.randn(sum(counts) + len(counts), vocab, generator=generator)
+    top = logits.argmax(dim=-1).tolist()
+    drafts, row = [], 0
+    for k in counts:
+        # Drafts that follow the argmax for a while, then diverge.
+        keep = torch.randint(0, k + 1, (1,), generator=generator).item()
+        drafts.append([top[row + j] if j < keep else (top[row + j] + 1) % vocab for j in range(k)])
+        row += k + 1
+    metadata = SpecDecodeMetadata.from_drafts(drafts, "cpu")
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * len(counts), [None] * len(counts), "cpu")
+    fast = rejection_sample(logits, metadata, None, sampling, backend="torch")
+    probs = processed_probs(logits, sampling.repeat_rows([k + 1 for k in counts]))
+    uniforms = torch.zeros(metadata.total_draft_tokens)
+    out, accepted = rejection_sampler.rejection_verify_torch(probs, metadata, None, uniforms, torch.ones(len(counts), vocab))
+    assert fast.num_accepted == accepted.tolist()
+    assert fast.output_token_ids == [r[: a + 1] for r, a in zip(out.tolist(), accepted.tolist(), strict=True)]
