@@ -3,13 +3,15 @@
 Run as a script by the Python of ``.venv-vllm``: ``python vllm_worker.py JOB_JSON RESULT_JSON``
 (see ``peer_protocol``). The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that it is driven step by step like Sonar's (same
-concurrency and arrivals) and its memory is this process's. Acceptance counts are vLLM's own
+concurrency and arrivals) and its memory is this process's; Intel OpenMP is preloaded, as vLLM's
+CPU installation guide asks. Acceptance counts are vLLM's own
 ``vllm:spec_decode_*`` counters, which count drafts the way Sonar does.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from peer_protocol import (
@@ -31,7 +33,10 @@ KV_CACHE_GIB = "1"  # vLLM reserves this much KV cache on CPU unless VLLM_CPU_KV
 def run(job: Job) -> RunResult:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{job.threads - 1}")
+    # vLLM pins its OpenMP threads to cores; on fewer threads than cores, pinning would keep them
+    # on a core other work may hold, so the OS places them, as it does every other engine's.
+    if job.threads < (os.cpu_count() or 1):
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import vllm
     from vllm import LLM, SamplingParams
@@ -117,5 +122,17 @@ def _kv_cache_bytes(engine: Any) -> int | None:
     return int(blocks * config.cache_config.block_size * per_token)
 
 
+def preload_intel_openmp() -> None:
+    """Restart this process with Intel OpenMP preloaded, as vLLM's CPU guide asks (without it,
+    vLLM warns that speculative decoding loses much of its speed). The library comes with vLLM's
+    ``intel-openmp`` dependency; where it is missing, nothing changes."""
+    library = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    preload = os.environ.get("LD_PRELOAD", "")
+    if os.path.isfile(library) and library not in preload.split(":"):
+        os.environ["LD_PRELOAD"] = ":".join(filter(None, [library, preload]))
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 if __name__ == "__main__":
+    preload_intel_openmp()
     worker_main(run)
