@@ -95,8 +95,8 @@ def _command(plan: OfflinePlan, row: RowSpec, concurrency: int) -> tuple[list[st
     if row.engine == SONAR:
         return sonar_command(), {**env, **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
     peer = PEERS[row.engine]
-    if peer.sequential and concurrency > 1:
-        raise _Skip(f"{peer.title} serves one request at a time")
+    if concurrency > 1 and row.method not in peer.concurrent_modes:
+        raise _Skip(f"{peer.title}{f' {row.method}' if row.method else ''} serves one request at a time")
     if peer.needs_gguf and plan.target.gguf_path is None:
         raise _Skip(f"{peer.title} reads GGUF files only; the target is not one")
     python = peer.python()

@@ -15,5 +15,5 @@ FAKE_PEER = PeerEngine(
     module="json",
     install="nothing to install",
     modes={None: frozenset(), "echo": frozenset({"num_speculative_tokens"})},
-    sequential=True,
+    concurrent_modes=frozenset(),
 )

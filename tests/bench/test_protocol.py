@@ -17,6 +17,7 @@ from sonar_core.bench.peers.peer_protocol import (
     arrival_offsets,
     drive_step_engine,
     run_sequential,
+    run_static_batches,
 )
 
 
@@ -120,6 +121,27 @@ def test_sequential_runs_time_each_emission() -> None:
     assert records[0].events == [(0.5, 1), (1.0, 1)]
     assert records[1].submitted == 1.0
     assert (started, finished) == (0.0, 2.0)
+
+
+def test_static_batches_submit_together_and_drop_padding_after_eos() -> None:
+    clock = FakeClock()
+    eos = 99
+    # r0 ends with EOS after two tokens, then the batch pads it; r1 runs to the step limit; r2 is
+    # alone in the second batch, submitted only when the first batch ended.
+    script = {"r0": [[1], [eos], [eos], [eos]], "r1": [[5], [6], [7], [8]], "r2": [[eos]]}
+
+    def generate_batch(batch: list[BenchRequest], emit) -> None:
+        steps = len(script[batch[0].id])
+        for step in range(steps):
+            clock.now += 1.0
+            emit([script[request.id][step] for request in batch])
+
+    records, started, finished = run_static_batches(_requests(3), generate_batch, 2, [eos], clock)
+    assert [r.token_ids for r in records] == [[1, eos], [5, 6, 7, 8], [eos]]
+    assert records[0].events == [(1.0, 1), (2.0, 1)]
+    assert records[0].submitted == records[1].submitted == 0.0
+    assert records[2].submitted == 4.0 and records[2].events == [(5.0, 1)]
+    assert (started, finished) == (0.0, 5.0)
 
 
 def test_jobs_and_results_survive_json() -> None:

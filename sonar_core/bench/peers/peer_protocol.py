@@ -276,3 +276,50 @@ def run_sequential(
         records.append(record)
         report_progress()
     return records, started, clock()
+
+
+def run_static_batches(
+    requests: list[BenchRequest],
+    generate_batch: Callable[[list[BenchRequest], Callable[[list[list[int]]], None]], None],
+    batch_size: int,
+    eos_token_ids: list[int],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[RequestRecord], float, float]:
+    """Run ``requests`` in batches of ``batch_size`` through an engine that decodes a whole padded
+    batch at once and returns when its longest member ends (transformers ``generate`` on a list of
+    prompts: static batching, the way that engine serves concurrent requests).
+
+    Every request of a batch is submitted when the batch starts. ``generate_batch(batch, emit)``
+    calls ``emit`` once per decoding step with each member's new token ids; a member's tokens after
+    its first end-of-sequence token are padding and are not recorded.
+    """
+    records: list[RequestRecord] = []
+    stops = set(eos_token_ids)
+    started = clock()
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first : first + batch_size]
+        submitted = clock()
+        members = [RequestRecord(id=request.id, submitted=submitted) for request in batch]
+        done = [False] * len(batch)
+
+        def emit(per_member: list[list[int]], members: list[RequestRecord] = members, done: list[bool] = done) -> None:
+            now = clock()
+            for index, token_ids in enumerate(per_member):
+                if done[index] or not token_ids:
+                    continue
+                kept = []
+                for token in token_ids:
+                    kept.append(token)
+                    if token in stops:
+                        done[index] = True
+                        report_progress()
+                        break
+                members[index].events.append((now, len(kept)))
+                members[index].token_ids.extend(kept)
+
+        generate_batch(batch, emit)
+        for finished in done:
+            if not finished:
+                report_progress()
+        records += members
+    return records, started, clock()
