@@ -42,6 +42,9 @@ class RowSpec:
         depth = self.options.get("num_speculative_tokens")
         if depth is not None:
             parts.append(f"k={depth}")
+        lookup = _lookup_bounds(self.options)
+        if lookup:
+            parts.append(lookup)
         model = self.options.get("model")
         if model and self.method in DRAFT_CHECKPOINT_METHODS:
             parts.append(f"({Path(str(model)).name})")
@@ -50,6 +53,15 @@ class RowSpec:
     @property
     def is_plain(self) -> bool:
         return self.method is None
+
+
+def _lookup_bounds(options: dict[str, Any]) -> str | None:
+    """``n=MIN..MAX`` for n-gram rows that set their match lengths (either bound alone stands for
+    both, as Sonar and vLLM read it); None when neither is set."""
+    low, high = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+    if low is None and high is None:
+        return None
+    return f"n={low if low is not None else high}..{high if high is not None else low}"
 
 
 def sonar_rows(speculative_configs: list[str | dict[str, Any]], include_plain: bool = True) -> list[RowSpec]:

@@ -16,6 +16,18 @@ def test_sonar_rows_start_with_the_plain_row() -> None:
     assert rows[0].is_plain and rows[1].options == {"method": "ngram", "num_speculative_tokens": 4}
 
 
+def test_ngram_rows_with_match_lengths_are_told_apart() -> None:
+    rows = sonar_rows(
+        [
+            '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+            '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}',
+        ],
+        include_plain=False,
+    )
+    assert [r.label for r in rows] == ["sonar ngram k=5 n=2..5", "sonar ngram k=5 n=3..3"]
+    assert parse_peer('vllm:ngram={"prompt_lookup_min": 1, "prompt_lookup_max": 4}').label == "vllm ngram k=4 n=1..4"
+
+
 @pytest.mark.parametrize(("value", "message"), [("{bad", "not valid JSON"), ('{"num_speculative_tokens": 2}', "names no method")])
 def test_bad_sonar_configs_are_config_errors(value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
