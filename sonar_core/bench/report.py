@@ -142,6 +142,9 @@ def _notes(results: Sequence[RowResult]) -> list[str]:
         notes = list(item.figures.notes) if item.figures is not None else [f"not run: {item.skipped}"]
         if item.attempts > 1:
             notes.append(f"measured {item.attempts} times because other work was running; the quietest attempt is shown")
+        if len(item.pass_throughputs) > 1:
+            spread = ", ".join(f"{value:.1f}" for value in item.pass_throughputs)
+            notes.append(f"fastest of {len(item.pass_throughputs)} passes (output tok/s per pass: {spread})")
         if item.quiet is False:
             notes.append("other work kept the machine busy in every attempt: these figures are less reliable")
         for note in notes:
@@ -165,6 +168,7 @@ def to_json(meta: TableMeta, results: Sequence[RowResult]) -> dict[str, Any]:
             "other_cpu": item.other_cpu,
             "attempts": item.attempts,
             "quiet": item.quiet,
+            "pass_throughputs": item.pass_throughputs,
         }
         if item.result is not None and item.figures is not None:
             entry["engine_version"] = item.result.engine_version

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sonar_core.bench.figures import RowFigures, match_rate, prefix_agreement, ratio
 from sonar_core.bench.peers.peer_protocol import RunResult
@@ -23,6 +23,7 @@ class RowResult:
     other_cpu: float | None = None  # cores busy with other work while the row ran (see cpu_load)
     attempts: int = 1  # times measured; the quietest is kept (see cpu_load.QuietPolicy)
     quiet: bool | None = None  # whether other_cpu stayed under the policy's limit (None: no policy)
+    pass_throughputs: list[float] = field(default_factory=list)  # output tok/s of each pass (see --passes)
 
     @property
     def label(self) -> str:

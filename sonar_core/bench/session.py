@@ -122,6 +122,8 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
 
 
 def bench_offline(args: argparse.Namespace, show_progress: bool = True) -> list[Table]:
+    if args.passes < 1:
+        raise ConfigError("passes", f"must be at least 1, got {args.passes}", "pass --passes 1 or more")
     setup = prepare(args, args.peer or [])
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +144,7 @@ def bench_offline(args: argparse.Namespace, show_progress: bool = True) -> list[
             engine_args=setup.engine_args,
             log_dir=args.log_dir,
             quiet=setup.quiet,
+            passes=args.passes,
         )
 
     return _measure(args, setup, "offline", plan, run_offline, show_progress)

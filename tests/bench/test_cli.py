@@ -21,6 +21,7 @@ SMALL = ["--num-prompts", "2", "--max-tokens", "8", "--threads", "1", "--kv-cach
         (["--speculative-config", "{method: ngram}"], "not valid JSON"),
         (["--speculative-config", '{"method": "no_such_method"}'], "no_such_method"),
         (["--concurrency", "0"], "at least 1"),
+        (["--passes", "0"], "pass --passes 1 or more"),
     ],
 )
 def test_mistakes_fail_before_anything_runs(tiny_model: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
@@ -47,8 +48,8 @@ def test_offline_rows_side_by_side(tiny_model: Path, fake_peer: object, tmp_path
     assert "| sonar ngram k=3" in printed and "| fake echo k=4" in printed
     (table,) = json.loads(out_json.read_text())["tables"]
     rows = {row["label"]: row for row in table["rows"]}
-    assert list(rows) == ["sonar", "sonar ngram k=3", "fake", "fake echo k=4"]
-    plain, ngram = rows["sonar"], rows["sonar ngram k=3"]
+    assert list(rows) == ["sonar", "sonar ngram k=3 n=1..3", "fake", "fake echo k=4"]
+    plain, ngram = rows["sonar"], rows["sonar ngram k=3 n=1..3"]
     for row in rows.values():
         figures = row["figures"]
         assert figures["num_requests"] == 2 and figures["output_tokens"] > 0
