@@ -133,6 +133,15 @@ class Proposer(ABC):
     def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:  # noqa: B027
         """Called when a request starts or resumes after a preemption. Default: nothing to track."""
 
+    def finish_request(self, request_id: str, token_ids: list[int]) -> None:  # noqa: B027
+        """Called when a request ended with a complete output (a stop or its length), just before
+        :meth:`remove_request`, with its prompt and every output token.
+
+        The tokens of a request's last step never reach :meth:`propose` (nothing is drafted after
+        the end), so proposers that learn from finished outputs (suffix decoding) take them here.
+        Default: nothing to learn.
+        """
+
     def remove_request(self, request_id: str) -> None:  # noqa: B027
         """Called when a request finishes, is aborted or preempted. Must drop all its state."""
 

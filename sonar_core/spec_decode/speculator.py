@@ -137,6 +137,7 @@ class Speculator:
             return
         self._known.discard(seq.request_id)
         if seq.finish_reason in ("stop", "length"):
+            self.proposer.finish_request(seq.request_id, seq.all_token_ids)
             self.proposer.remove_request(seq.request_id)
         else:
             self.proposer.discard_request(seq.request_id)

@@ -47,7 +47,8 @@ class Driver:
 
     def generate(self, tokens: list[int], max_draft_tokens: int) -> list[int]:
         """Emit ``tokens`` one step at a time, accepting the matching prefix of each draft as a target
-        would; return the number of drafted tokens accepted per step."""
+        would; return the number of drafted tokens accepted per step. As in the engine, nothing is
+        proposed after the last step."""
         accepted: list[int] = []
         position = 0
         draft = self.propose(max_draft_tokens)
@@ -59,7 +60,8 @@ class Driver:
             step = tokens[position : position + matched + 1]
             position += len(step)
             self.emit(step)
-            draft = self.propose(max_draft_tokens)
+            if position < len(tokens):
+                draft = self.propose(max_draft_tokens)
         return accepted
 
 
@@ -68,8 +70,10 @@ def make(**options: float) -> SuffixProposer:
 
 
 def finish(proposer: SuffixProposer, request_id: str, prompt: list[int], response: list[int]) -> None:
+    """One request from start to a complete output, ended as the engine ends it."""
     driver = Driver(proposer, request_id, prompt)
     driver.generate(response, max_draft_tokens=8)
+    proposer.finish_request(request_id, [*prompt, *response])
     proposer.remove_request(request_id)
 
 
@@ -88,6 +92,19 @@ def test_a_finished_response_drafts_a_later_request_that_repeats_it() -> None:
     # with the match (max_spec_factor 1) up to the cap, so almost every token is drafted and accepted.
     assert sum(accepted) >= len(RESPONSE) - 10
     assert max(accepted) == 8
+
+
+@pytest.mark.parametrize("told_the_ending", [True, False])
+def test_the_last_steps_tokens_reach_the_cached_response(told_the_ending: bool) -> None:
+    proposer = make()
+    driver = Driver(proposer, "first", [1, 2, 3])
+    # The response is drafted from nothing, so the last step emits one token that no propose sees.
+    driver.generate(RESPONSE, max_draft_tokens=8)
+    if told_the_ending:
+        proposer.finish_request("first", [1, 2, 3, *RESPONSE])
+    proposer.remove_request("first")
+    follower = Driver(proposer, "f", [9, *RESPONSE[-5:-1]])
+    assert follower.propose(4) == (RESPONSE[-1:] if told_the_ending else [])
 
 
 def test_without_cached_responses_nothing_is_learnt_across_requests() -> None:

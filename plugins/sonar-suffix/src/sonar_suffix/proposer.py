@@ -14,6 +14,8 @@ Request lifecycle:
   the response tree; a resumed request's output so far is added on its first ``propose``. An
   entry left under the same id is evicted first, so no output is counted twice.
 - ``propose`` feeds the tokens accepted since the previous call to both trees, then drafts.
+- ``finish_request`` (the request ended with a complete output) adds the tokens of its last step,
+  which no ``propose`` saw, so the cached response holds its ending too.
 - ``remove_request`` (the request finished) drops the prompt tree and keeps the response in the
   shared tree for later requests, as vLLM does.
 - ``discard_request`` (aborted or preempted: the output is incomplete) drops the prompt tree and
@@ -62,6 +64,10 @@ class SuffixProposer(Proposer):
         self.cache.start_request(request_id, _int32(prompt_token_ids))
         self._num_fed[request_id] = len(prompt_token_ids)
 
+    def finish_request(self, request_id: str, token_ids: list[int]) -> None:
+        """Add the output tokens no ``propose`` saw (the last step's) to the trees."""
+        self._feed_tokens(request_id, token_ids)
+
     def remove_request(self, request_id: str) -> None:
         """Close the prompt tree; the response stays in the shared tree until the oldest-first eviction."""
         if self._num_fed.pop(request_id, None) is not None:
@@ -99,16 +105,20 @@ class SuffixProposer(Proposer):
         request's first call (and after a preemption) that counts the prompt too, which
         ``add_request`` already put in the prompt tree and which must not enter the response tree.
         """
-        request_id = request.request_id
-        fed = self._num_fed.get(request_id)
-        if fed is None:
+        if request.request_id not in self._num_fed:
             # Never announced through add_request: everything it holds serves its own drafts as a
             # prompt, and nothing of unknown origin enters the shared response tree.
-            self.add_request(request_id, request.token_ids)
+            self.add_request(request.request_id, request.token_ids)
             return
-        if len(request.token_ids) > fed:
-            self.cache.add_active_response(request_id, _int32(request.token_ids[fed:]))
-            self._num_fed[request_id] = len(request.token_ids)
+        self._feed_tokens(request.request_id, request.token_ids)
+
+    def _feed_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Put ``token_ids`` past the count already held into the request's response (a request
+        not open here gets nothing)."""
+        fed = self._num_fed.get(request_id)
+        if fed is not None and len(token_ids) > fed:
+            self.cache.add_active_response(request_id, _int32(token_ids[fed:]))
+            self._num_fed[request_id] = len(token_ids)
 
 
 def _int32(token_ids: Sequence[int]) -> np.ndarray:
