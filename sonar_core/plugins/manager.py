@@ -5,6 +5,10 @@ specifications, loads every entry point of the group ``sonar`` (Sonar's own meth
 built-in and third-party methods are found the same way), honours the ``SONAR_PLUGINS`` allow-list
 and the ``SONAR_TRACE_HOOKS`` trace switch, checks for misspelt hooks, and fills the method
 registry.
+
+A plugin whose import fails is left out with a warning that names it, its error and the fix, so
+that one broken installation does not stop engines that never use it; asking for a method it
+would have provided is an error that carries the import failure.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class SonarPluginManager(pluggy.PluginManager):
         self.sources: dict[str, PluginSource] = {}
         # Entry points found but left out by the allow-list.
         self.not_loaded: list[PluginSource] = []
+        # Entry points whose import failed, with the error ("ModuleNotFoundError: ...").
+        self.failed: list[tuple[PluginSource, str]] = []
         self._registry: MethodRegistry | None = None
 
     def register_plugin(self, plugin: object, source: PluginSource) -> None:
@@ -145,8 +151,8 @@ def get_plugin_manager(
 
     ``plugins`` are registered besides the entry points (tests use it for fakes; they bypass the
     allow-list). ``environ`` replaces ``os.environ`` for ``SONAR_PLUGINS`` and ``SONAR_TRACE_HOOKS``.
-    Raises :class:`PluginError` for a plugin that does not load, a misspelt hook, or two
-    registrations of one method name.
+    Raises :class:`PluginError` for a misspelt hook or two registrations of one method name; a
+    plugin that does not import is left out (``failed``) with a warning.
     """
     env = os.environ if environ is None else environ
     manager = SonarPluginManager()
@@ -174,6 +180,8 @@ def build_method_registry(manager: SonarPluginManager) -> MethodRegistry:
     registry = MethodRegistry()
     for source in manager.not_loaded:
         registry.not_loaded[normalise_distribution(source.distribution)] = source.name
+    for source, error in manager.failed:
+        registry.failed[normalise_distribution(source.distribution or source.name)] = (source.describe(), error)
     hook = manager.hook.sonar_register_methods
     implementers = {impl.plugin_name: impl.plugin for impl in hook.get_hookimpls()}
     for name, _ in manager.list_name_plugin():
@@ -234,12 +242,15 @@ def _load_entry_points(manager: SonarPluginManager, allow: frozenset[str] | None
         try:
             plugin = entry_point.load()
         except Exception as exc:
-            raise PluginError(
-                f"{source.describe()} (entry point {entry_point.name} = {entry_point.value}) failed to load: "
-                f"{type(exc).__name__}: {exc}. Fix: reinstall it (pip install --force-reinstall "
-                f"{source.distribution or entry_point.name}), or leave it out with SONAR_PLUGINS=<the "
-                "entry-point names to load>."
-            ) from exc
+            error = f"{type(exc).__name__}: {exc}"
+            manager.failed.append((source, error))
+            logger.warning(
+                "%s (entry point %s = %s) failed to load and is left out: %s. Fix: reinstall it "
+                "(pip install --force-reinstall %s), or leave it out with SONAR_PLUGINS=<the entry-point "
+                "names to load>.",
+                source.describe(), entry_point.name, entry_point.value, error, source.distribution or entry_point.name,
+            )
+            continue
         manager.register_plugin(plugin, source)
     if allow:
         missing = sorted(allow - {entry_point.name for entry_point in found})

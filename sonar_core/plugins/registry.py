@@ -105,6 +105,8 @@ class MethodRegistry:
         # the allow-list, with those entry-point names, so that an unknown method can say why it is
         # missing.
         self.not_loaded: dict[str, str] = {}
+        # Distributions (normalised names) whose plugin failed to import: (who, the error).
+        self.failed: dict[str, tuple[str, str]] = {}
 
     @contextmanager
     def registering_for(self, distribution: str, version: str) -> Iterator[None]:
@@ -179,6 +181,13 @@ class MethodRegistry:
         """The error for a method name that is neither registered nor an alias."""
         installed = ", ".join(self.names()) or "none"
         package = SONAR_METHOD_PACKAGES.get(name)
+        if package is not None and package in self.failed:
+            who, error = self.failed[package]
+            return ConfigError(
+                field,
+                f"method {name!r} comes from {package}, which is installed but failed to load ({who}: {error})",
+                f"reinstall it: pip install --force-reinstall {package}",
+            )
         if package is not None and package in self.not_loaded:
             return ConfigError(
                 field,
@@ -200,9 +209,10 @@ class MethodRegistry:
             match = known[close[0]]
             provider = "" if match in self else f" (pip install {SONAR_METHOD_PACKAGES[match]})"
             hint = f"did you mean {match!r}{provider}? Otherwise, "
+        failed = "".join(f"; {who} failed to load ({error})" for who, error in self.failed.values())
         return ConfigError(
             field,
-            f"{name!r} is not a speculation method. Installed methods: {installed}",
+            f"{name!r} is not a speculation method. Installed methods: {installed}{failed}",
             f"{hint}use one of the installed methods, or install the plugin that provides {name!r} "
             "(`aphrodite plugins` lists what is installed)",
         )

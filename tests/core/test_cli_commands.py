@@ -73,13 +73,32 @@ def test_two_entry_points_loading_one_module(run_aphrodite, tmp_path):
     assert "load the same plugin" in result.stderr and "echo-alias-dist 0.1" in result.stderr
 
 
-def test_plugin_that_fails_to_load(run_aphrodite, tmp_path):
+def test_a_plugin_that_fails_to_load_is_reported_and_left_out(run_aphrodite, tmp_path):
     folder = fake_distribution(tmp_path, "broken-plugin", "[sonar]\nbroken = broken_plugin_module_missing\n")
     result = run_aphrodite("plugins", env={"PYTHONPATH": str(folder), "SONAR_PLUGINS": None})
+    # Listed with its error, and the exit status says the installation is broken ...
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
+    assert "broken (broken-plugin 0.1): ModuleNotFoundError" in result.stdout
     assert "plugin 'broken' of broken-plugin 0.1" in result.stderr and "failed to load" in result.stderr
     assert "SONAR_PLUGINS" in result.stderr
+    # ... but every other plugin's methods are still there.
+    assert any(line.startswith("echo_test") for line in result.stdout.splitlines())
+
+
+def test_a_broken_plugin_does_not_stop_configurations_that_do_not_use_it(run_aphrodite, tmp_path, make_model_dir):
+    tiny_model_dir = make_model_dir()
+    folder = fake_distribution(tmp_path / "dist", "broken-plugin", "[sonar]\nbroken = broken_plugin_module_missing\n")
+    env = {"PYTHONPATH": str(folder), "SONAR_PLUGINS": None}
+    config = '{"method": "echo_test", "num_speculative_tokens": 2}'
+    result = run_aphrodite("serve", str(tiny_model_dir), "--check-config", "--speculative-config", config, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "failed to load and is left out" in result.stderr
+    # A method nobody provides names the plugin that failed, since it might have been the one.
+    unknown = '{"method": "broken_method", "num_speculative_tokens": 2}'
+    result = run_aphrodite("serve", str(tiny_model_dir), "--check-config", "--speculative-config", unknown, env=env)
+    assert result.returncode == 2
+    assert "plugin 'broken' of broken-plugin 0.1 failed to load (ModuleNotFoundError" in result.stderr
 
 
 def test_allow_list_excludes_a_broken_plugin(run_aphrodite, tmp_path):

@@ -91,3 +91,12 @@ def test_field_prefix_keeps_the_error_class():
     assert type(error) is CustomClassNotFoundError
     assert error.field == "outer.speculative_config.custom_class"
     assert ConfigError("speculative_config.x", "m", "f").with_field_prefix("speculative_config").field == "speculative_config.x"
+
+
+def test_a_method_of_a_package_that_failed_to_load_carries_the_import_error(registry):
+    registry.failed["sonar-suffix"] = ("plugin 'suffix' of sonar-suffix 0.1.0", "ImportError: arctic_inference is broken")
+    with pytest.raises(ConfigError) as info:
+        registry.resolve("suffix")
+    assert "comes from sonar-suffix, which is installed but failed to load" in info.value.message
+    assert "ImportError: arctic_inference is broken" in info.value.message
+    assert info.value.fix == "reinstall it: pip install --force-reinstall sonar-suffix"

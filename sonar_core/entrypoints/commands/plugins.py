@@ -44,15 +44,24 @@ def run(args: argparse.Namespace) -> int:
     missing = {
         method: package
         for method, package in SONAR_METHOD_PACKAGES.items()
-        if method not in registry and method not in MTP_LEGACY_METHOD_NAMES and package not in registry.not_loaded
+        if method not in registry
+        and method not in MTP_LEGACY_METHOD_NAMES
+        and package not in registry.not_loaded
+        and package not in registry.failed
     }
     not_loaded = [
         {"entry_point": source.name, "distribution": source.distribution, "version": source.version}
         for source in manager.not_loaded
     ]
+    failed = [
+        {"entry_point": source.name, "distribution": source.distribution, "version": source.version, "error": error}
+        for source, error in manager.failed
+    ]
+    # A plugin that does not load is a broken installation: say so in the exit status too.
+    status = 1 if failed else 0
     if args.json:
-        print(json.dumps({"methods": rows, "not_installed": missing, "not_loaded": not_loaded}, indent=2))
-        return 0
+        print(json.dumps({"methods": rows, "not_installed": missing, "not_loaded": not_loaded, "failed": failed}, indent=2))
+        return status
     if rows:
         table = [[row["method"], ", ".join(row["aliases"]), row["distribution"], row["version"], row["description"]]
                  for row in rows]
@@ -62,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if not_loaded:
         names = ", ".join(f"{item['entry_point']} ({item['distribution']} {item['version']})" for item in not_loaded)
         print(f"\nInstalled but not loaded (SONAR_PLUGINS): {names}")
+    if failed:
+        print("\nInstalled but failed to load (fix: pip install --force-reinstall DISTRIBUTION):")
+        for item in failed:
+            print(f"  {item['entry_point']} ({item['distribution']} {item['version']}): {item['error']}")
     if missing:
         by_package: dict[str, list[str]] = {}
         for method, package in missing.items():
@@ -69,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nSonar methods not installed:")
         for package, methods in by_package.items():
             print(f"  {', '.join(methods)}: pip install {package}")
-    return 0
+    return status
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], max_widths: Sequence[int]) -> str:
