@@ -91,6 +91,9 @@ def run(job: Job) -> RunResult:
         n_threads=job.threads,
         n_threads_batch=job.threads,
         draft_model=counter,
+        # llama-cpp-python 0.3.36 keeps logits of every position when it drafts, but sizes that
+        # buffer from this argument: left False, any context past n_batch (512) overflows it.
+        logits_all=counter is not None,
         seed=job.seed,
         verbose=False,
     )
