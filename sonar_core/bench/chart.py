@@ -20,50 +20,59 @@ def matplotlib_available() -> bool:
 
 
 def write_chart(path: Path, tables: Sequence[tuple[str, Sequence[RowResult]]]) -> bool:
-    """Draw the chart of ``(title, rows)`` tables into ``path``; False when there is nothing to draw."""
+    """Draw the chart of ``(title, rows)`` tables into ``path``; False when there is nothing to draw.
+
+    One panel per table and kind, stacked, each with its legend beside it: a suite has a dozen
+    rows per table, which one shared panel could not tell apart.
+    """
+    panels: list[tuple[str, str, dict[str, list[tuple[float, float]]]]] = []
+    for title, rows in tables:
+        lowest = min((r.concurrency for r in rows), default=1)
+        acceptance = {
+            item.label: [(position + 1, rate) for position, rate in enumerate(_trimmed(item.figures.acceptance.per_position))]
+            for item in rows
+            if item.figures is not None and item.figures.acceptance is not None and item.concurrency == lowest
+        }
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for item in rows:
+            if item.figures is not None:
+                curves.setdefault(item.label, []).append((item.concurrency, item.figures.output_throughput))
+        curves = {label: sorted(points) for label, points in curves.items() if len(points) > 1}
+        if acceptance:
+            panels.append((f"{title}: acceptance by draft position", "acceptance", acceptance))
+        if curves:
+            panels.append((f"{title}: throughput against concurrency", "throughput", curves))
+    if not panels:
+        return False
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    acceptance = [
-        (f"{title}: {item.label}" if len(tables) > 1 else item.label, item.figures.acceptance.per_position)
-        for title, rows in tables
-        for item in rows
-        if item.figures is not None and item.figures.acceptance is not None and item.concurrency == min(r.concurrency for r in rows)
-    ]
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for title, rows in tables:
-        for item in rows:
-            if item.figures is not None:
-                key = f"{title}: {item.label}" if len(tables) > 1 else item.label
-                curves.setdefault(key, []).append((item.concurrency, item.figures.output_throughput))
-    curves = {key: sorted(points) for key, points in curves.items() if len(points) > 1}
-    panels = [panel for panel, present in (("acceptance", acceptance), ("throughput", curves)) if present]
-    if not panels:
-        return False
-    figure, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
-    for axis, panel in zip(axes[0], panels, strict=True):
-        if panel == "acceptance":
-            width = 0.8 / len(acceptance)
-            for index, (label, rates) in enumerate(acceptance):
-                positions = [p + index * width for p in range(len(rates))]
-                axis.bar(positions, rates, width=width, label=label)
-            depth = max(len(rates) for _, rates in acceptance)
-            axis.set_xticks([p + 0.4 - width / 2 for p in range(depth)], [str(p + 1) for p in range(depth)])
+    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 3.4 * len(panels)), squeeze=False)
+    for axis, (title, kind, series) in zip(axes[:, 0], panels, strict=True):
+        for label, points in series.items():
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+        if kind == "acceptance":
             axis.set_xlabel("draft position")
             axis.set_ylabel("acceptance rate")
-            axis.set_ylim(0, 1)
-            axis.set_title("Per-position acceptance")
+            axis.set_ylim(0, 1.02)
         else:
-            for label, points in curves.items():
-                axis.plot([c for c, _ in points], [t for _, t in points], marker="o", label=label)
             axis.set_xlabel("concurrency")
             axis.set_ylabel("output tokens / s")
-            axis.set_title("Throughput against concurrency")
-        axis.legend(fontsize="small")
+        axis.set_title(title, fontsize="medium")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
     return True
+
+
+def _trimmed(rates: Sequence[float]) -> list[float]:
+    """The rates up to the last position that ever accepted (suffix decoding's 32 positions are
+    mostly zeros), keeping at least the first."""
+    last = max((index for index, rate in enumerate(rates) if rate > 0), default=0)
+    return list(rates[: last + 1])
