@@ -27,6 +27,7 @@ from sonar_core.plugins.registry import (
     MethodRegistry,
     MethodSpec,
 )
+from sonar_core.plugins.rules import checkpoint_refused, one_hot_drafts_warning
 
 __all__ = [
     "ALLOW_LIST_ENV",
@@ -39,8 +40,10 @@ __all__ = [
     "PluginSource",
     "SonarPluginManager",
     "build_method_registry",
+    "checkpoint_refused",
     "enable_hook_tracing",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "one_hot_drafts_warning",
 ]

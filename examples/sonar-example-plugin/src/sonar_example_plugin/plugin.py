@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sonar_core.errors import ConfigError
-from sonar_core.plugins import MethodSpec, hookimpl
+from sonar_core.plugins import MethodSpec, checkpoint_refused, hookimpl, one_hot_drafts_warning
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo
@@ -60,16 +59,9 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
     """The method's rules. Other methods' configurations are not this plugin's business."""
     if config.method != METHOD:
         return None
-    if config.model is not None:
-        raise ConfigError(
-            "model",
-            f"method {METHOD!r} learns from the request's own tokens and loads no checkpoint, but "
-            f"model={config.model!r} is set",
-            "remove 'model' from the speculative config",
-        )
-    if config.draft_sample_method == "probabilistic":
-        return [
-            f"draft_sample_method 'probabilistic' has no effect with method {METHOD!r}: its drafts have "
-            "no probabilities and are verified as one-hot drafts; remove draft_sample_method"
-        ]
-    return None
+    # Sonar's shared wording for a method that needs no checkpoint and drafts without probabilities.
+    refused = checkpoint_refused(config, "a bigram table of the request's own tokens")
+    if refused is not None:
+        raise refused
+    warning = one_hot_drafts_warning(config)
+    return [warning] if warning else None

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from sonar_core.errors import ConfigError
-from sonar_core.plugins import MethodSpec, hookimpl
+from sonar_core.plugins import MethodSpec, checkpoint_refused, hookimpl, one_hot_drafts_warning
 from sonar_ngram.proposer import create_ngram_gpu_proposer, create_ngram_proposer
 from sonar_ngram.settings import resolve_lookup_bounds
 
@@ -79,24 +79,13 @@ def sonar_validate_speculative_config(
                 f"set prompt_lookup_min to at most {bounds.max_n}, or raise prompt_lookup_max",
             )
         )
-    if config.model is not None and config.model not in _METHOD_NAMES_AS_MODEL:
-        errors.append(
-            ConfigError(
-                "model",
-                f"method {method!r} copies tokens from the prompt and loads no checkpoint, "
-                f"but model={config.model!r} is set",
-                "remove 'model' from the speculative config",
-            )
-        )
+    if config.model not in _METHOD_NAMES_AS_MODEL:
+        refused = checkpoint_refused(config, "the request's own tokens")
+        if refused is not None:
+            errors.append(refused)
     if errors:
         # One error carrying the others, so every problem is reported in the same run.
         first, *rest = errors
         raise ConfigError(first.field, first.message, first.fix, also=rest)
-    warnings: list[str] = []
-    if config.draft_sample_method == "probabilistic":
-        warnings.append(
-            "speculative_config.draft_sample_method: 'probabilistic' has no effect with method "
-            f"{method!r}: n-gram drafts have no probabilities and are verified as one-hot drafts; "
-            "remove draft_sample_method"
-        )
-    return warnings
+    warning = one_hot_drafts_warning(config)
+    return [warning] if warning else []

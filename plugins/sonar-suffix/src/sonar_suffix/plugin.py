@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sonar_core.errors import ConfigError
-from sonar_core.plugins import MethodSpec, hookimpl
+from sonar_core.plugins import MethodSpec, checkpoint_refused, hookimpl, one_hot_drafts_warning
 from sonar_suffix.dependency import check_arctic_inference
 from sonar_suffix.options import SuffixOptions
 
@@ -49,13 +48,9 @@ def sonar_validate_speculative_config(
 ) -> list[str] | None:
     if config.method != METHOD:
         return None
-    if config.model is not None:
-        raise ConfigError(
-            "model",
-            f"method 'suffix' drafts from suffix trees of prompts and earlier responses and loads no "
-            f"checkpoint, but model={config.model!r} is set",
-            "remove 'model' from the speculative config",
-        )
+    refused = checkpoint_refused(config, "suffix trees of prompts and earlier responses")
+    if refused is not None:
+        raise refused
     check_arctic_inference()
     warnings: list[str] = []
     for field in _NGRAM_ONLY_FIELDS:
@@ -64,9 +59,5 @@ def sonar_validate_speculative_config(
                 f"{field} has no effect with method 'suffix': it matches contexts of every length up to "
                 f"suffix_decoding_max_tree_depth; remove {field}"
             )
-    if config.draft_sample_method == "probabilistic":
-        warnings.append(
-            "draft_sample_method 'probabilistic' has no effect with method 'suffix': its drafts carry no "
-            "distribution over the vocabulary and are verified as one-hot drafts; remove draft_sample_method"
-        )
-    return warnings
+    one_hot = one_hot_drafts_warning(config)
+    return [*warnings, one_hot] if one_hot else warnings
