@@ -144,6 +144,17 @@ def test_static_batches_submit_together_and_drop_padding_after_eos() -> None:
     assert (started, finished) == (0.0, 5.0)
 
 
+def test_acceptance_counts_by_observation_and_by_position() -> None:
+    counts = SpecCounts.empty(2)
+    counts.observe(3, 2)  # a draft of 3, the first 2 accepted: the list grows to the draft's depth
+    counts.observe(2, 5)  # more accepted than drafted is clamped
+    counts.observe(0, 0)  # no draft: not counted
+    assert counts == SpecCounts(2, 5, 4, [2, 2, 0])
+    counts.add_per_position([1, 0, 0, 4])
+    assert counts.accepted_per_pos == [3, 2, 0, 4]
+    assert counts.minus(SpecCounts(1, 3, 2, [1, 1])) == SpecCounts(1, 2, 2, [2, 1, 0, 4])
+
+
 def test_jobs_and_results_survive_json() -> None:
     job = Job(
         engine="sonar", method="ngram", options={"method": "ngram"}, model_dir="/m", gguf_path=None,

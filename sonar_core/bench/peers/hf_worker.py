@@ -37,7 +37,7 @@ class AcceptanceCounter:
     """Acceptance counts of assisted generation, gathered from its candidate generator."""
 
     def __init__(self, depth: int) -> None:
-        self.counts = SpecCounts(0, 0, 0, [0] * depth)
+        self.counts = SpecCounts.empty(depth)
         self._drafted = 0
 
     def watch(self, generator: Any) -> Any:
@@ -50,25 +50,13 @@ class AcceptanceCounter:
             return candidates
 
         def counted_update(input_ids: Any, scores: Any, num_matches: Any) -> Any:
-            self.observe(self._drafted, int(num_matches))
+            # No draft this step (prompt lookup found no match) counts nothing.
+            self.counts.observe(self._drafted, int(num_matches))
             return update(input_ids, scores, num_matches)
 
         generator.get_candidates = counted_get_candidates
         generator.update_candidate_strategy = counted_update
         return generator
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return  # no draft this step (prompt lookup found no match)
-        accepted = min(accepted, drafted)
-        counts = self.counts
-        counts.num_drafts += 1
-        counts.num_draft_tokens += drafted
-        counts.num_accepted_tokens += accepted
-        if drafted > len(counts.accepted_per_pos):
-            counts.accepted_per_pos += [0] * (drafted - len(counts.accepted_per_pos))
-        for position in range(accepted):
-            counts.accepted_per_pos[position] += 1
 
 
 def run(job: Job) -> RunResult:
@@ -144,7 +132,7 @@ def run(job: Job) -> RunResult:
 
     generate_batch([BenchRequest("warmup", job.warmup_prompt_token_ids)], lambda ids: None, WARMUP_TOKENS)
     if counter is not None:
-        counter.counts = SpecCounts(0, 0, 0, [0] * depth)
+        counter.counts = SpecCounts.empty(depth)
     notes = ["dynamic KV cache, grown per request"]
     if job.concurrency > 1:
         if job.method is not None:

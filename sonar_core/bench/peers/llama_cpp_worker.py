@@ -40,30 +40,20 @@ class CountingDraft:
 
     def __init__(self, draft: Any, depth: int) -> None:
         self.draft = draft
-        self.counts = SpecCounts(0, 0, 0, [0] * depth)
+        self.counts = SpecCounts.empty(depth)
         self.flush: Callable[[], int] = lambda: 0
         self._pending = 0  # length of the draft under verification
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
         yielded = self.flush()
         if self._pending:
-            self._observe(self._pending, min(yielded - 1, self._pending))
+            self.counts.observe(self._pending, yielded - 1)
         tokens = self.draft(input_ids, **kwargs)
         self._pending = len(tokens)
         return tokens
 
     def start_request(self) -> None:
         self._pending = 0  # a request that stopped mid-verification leaves no count
-
-    def _observe(self, drafted: int, accepted: int) -> None:
-        counts = self.counts
-        counts.num_drafts += 1
-        counts.num_draft_tokens += drafted
-        counts.num_accepted_tokens += accepted
-        if drafted > len(counts.accepted_per_pos):
-            counts.accepted_per_pos += [0] * (drafted - len(counts.accepted_per_pos))
-        for position in range(accepted):
-            counts.accepted_per_pos[position] += 1
 
 
 def run(job: Job) -> RunResult:
@@ -125,7 +115,7 @@ def run(job: Job) -> RunResult:
 
     generate(BenchRequest("warmup", job.warmup_prompt_token_ids), lambda ids: None, WARMUP_TOKENS)
     if counter is not None:
-        counter.counts = SpecCounts(0, 0, 0, [0] * len(counter.counts.accepted_per_pos))
+        counter.counts = SpecCounts.empty(len(counter.counts.accepted_per_pos))
     records, started, finished = run_sequential(job.requests, generate)
     return RunResult(
         engine_version=f"llama-cpp-python {llama_cpp.__version__}",

@@ -99,17 +99,45 @@ class SpecCounts:
     num_accepted_tokens: int
     accepted_per_pos: list[int]
 
+    @classmethod
+    def empty(cls, depth: int = 0) -> SpecCounts:
+        return cls(0, 0, 0, [0] * depth)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Count one verification of ``drafted`` tokens of which the first ``accepted`` were kept
+        (a step without a draft is not a draft)."""
+        if drafted <= 0:
+            return
+        accepted = max(0, min(accepted, drafted))
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.accepted_per_pos = _padded(self.accepted_per_pos, drafted)
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+
+    def add_per_position(self, counts: list[int]) -> None:
+        """Add accepted counts by position (lists of different depths line up at position 0)."""
+        width = max(len(counts), len(self.accepted_per_pos))
+        self.accepted_per_pos = [a + b for a, b in zip(_padded(self.accepted_per_pos, width), _padded(counts, width), strict=True)]
+
     def minus(self, earlier: SpecCounts) -> SpecCounts:
         """The counts since ``earlier`` (the warm-up is not measured)."""
         width = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
-        mine = self.accepted_per_pos + [0] * (width - len(self.accepted_per_pos))
-        theirs = earlier.accepted_per_pos + [0] * (width - len(earlier.accepted_per_pos))
         return SpecCounts(
             num_drafts=self.num_drafts - earlier.num_drafts,
             num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
-            accepted_per_pos=[a - b for a, b in zip(mine, theirs, strict=True)],
+            accepted_per_pos=[
+                a - b
+                for a, b in zip(_padded(self.accepted_per_pos, width), _padded(earlier.accepted_per_pos, width), strict=True)
+            ],
         )
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    """``values`` with zeros appended up to ``width`` (never shortened)."""
+    return values + [0] * (width - len(values))
 
 
 @dataclass

@@ -93,7 +93,7 @@ def run(job: Job) -> RunResult:
 
 
 def _spec_counts(llm: Any) -> SpecCounts:
-    counts = SpecCounts(0, 0, 0, [])
+    counts = SpecCounts.empty()
     for metric in llm.get_metrics():
         name = metric.name.removeprefix("vllm:spec_decode_")
         if name == "num_drafts":
@@ -103,10 +103,7 @@ def _spec_counts(llm: Any) -> SpecCounts:
         elif name == "num_accepted_tokens":
             counts.num_accepted_tokens += int(metric.value)
         elif name == "num_accepted_tokens_per_pos":
-            values = [int(v) for v in metric.values]
-            width = max(len(values), len(counts.accepted_per_pos))
-            padded = counts.accepted_per_pos + [0] * (width - len(counts.accepted_per_pos))
-            counts.accepted_per_pos = [a + b for a, b in zip(padded, values + [0] * (width - len(values)), strict=True)]
+            counts.add_per_position([int(v) for v in metric.values])
     return counts
 
 
