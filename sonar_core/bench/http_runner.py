@@ -20,7 +20,7 @@ from sonar_core.bench.offline import worker_env
 from sonar_core.bench.peers.peer_protocol import BenchRequest, RequestRecord, RunResult, arrival_offsets
 from sonar_core.bench.progress import Progress
 from sonar_core.bench.prometheus import ServerSnapshot, parse_metrics
-from sonar_core.bench.results import RowResult, compare
+from sonar_core.bench.results import RowResult, compare, measure_in_passes
 from sonar_core.bench.rows import RowSpec
 from sonar_core.bench.server_process import ServerProcess, engine_flags
 from sonar_core.bench.target import BenchTarget
@@ -45,10 +45,11 @@ class ServePlan:
     url: str | None = None
     api_key: str | None = None
     quiet: QuietPolicy | None = None  # applies to servers started here (a --url server's CPU is not ours)
+    passes: int = 1  # measurements of every row's server, in alternating order; the fastest is kept
 
     @property
     def num_runs(self) -> int:
-        return (1 if self.url else len(self.rows)) * len(self.concurrencies)
+        return (1 if self.url else len(self.rows) * self.passes) * len(self.concurrencies)
 
 
 
@@ -58,7 +59,8 @@ def run_serve(plan: ServePlan, progress: Progress) -> list[RowResult]:
         row = RowSpec("server", None, name=f"server {endpoint.url}")
         results = [_at_url(plan, endpoint, row, concurrency, progress) for concurrency in plan.concurrencies]
     else:
-        results = [_with_own_server(plan, row, concurrency, progress) for row in plan.rows for concurrency in plan.concurrencies]
+        runs = [(row, concurrency) for row in plan.rows for concurrency in plan.concurrencies]
+        results = measure_in_passes(runs, lambda run: _with_own_server(plan, *run, progress), plan.passes)
     compare(results)
     return results
 

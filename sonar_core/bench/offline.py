@@ -14,7 +14,7 @@ from sonar_core.bench.launcher import WorkerError, run_worker, sonar_command
 from sonar_core.bench.peers import PEERS
 from sonar_core.bench.peers.peer_protocol import BenchRequest, Job, RunResult
 from sonar_core.bench.progress import Progress
-from sonar_core.bench.results import RowResult, compare
+from sonar_core.bench.results import RowResult, compare, measure_in_passes
 from sonar_core.bench.rows import SONAR, RowSpec
 from sonar_core.bench.target import BenchTarget
 
@@ -49,31 +49,12 @@ class OfflinePlan:
 
 
 def run_offline(plan: OfflinePlan, progress: Progress) -> list[RowResult]:
-    """Run every row at every concurrency, one after another, then relate the rows.
-
-    With several passes, every further pass measures the rows again in the opposite order of the
-    pass before, and each row keeps its fastest pass. A shared machine slows down in spells that
-    no CPU counter sees (another tenant's memory traffic can halve a memory-bound decode): a spell
-    then lands on different rows in each pass, and the fastest pass is the least disturbed one.
-    """
+    """Run every row at every concurrency, one after another (in ``plan.passes`` passes), then
+    relate the rows."""
     runs = [(row, concurrency) for concurrency in plan.concurrencies for row in plan.rows]
-    results = [run_row(plan, row, concurrency, progress) for row, concurrency in runs]
-    for number in range(2, plan.passes + 1):
-        order = range(len(runs) - 1, -1, -1) if number % 2 == 0 else range(len(runs))
-        for index in order:
-            results[index] = faster(results[index], run_row(plan, *runs[index], progress))
+    results = measure_in_passes(runs, lambda run: run_row(plan, *run, progress), plan.passes)
     compare(results)
     return results
-
-
-def faster(kept: RowResult, again: RowResult) -> RowResult:
-    """The pass with the higher output throughput, carrying every pass's throughput along."""
-    if kept.figures is None or again.figures is None:
-        return kept if kept.figures is not None else again
-    throughputs = [*kept.pass_throughputs, again.figures.output_throughput]
-    best = again if again.figures.output_throughput > kept.figures.output_throughput else kept
-    best.pass_throughputs = throughputs
-    return best
 
 
 def run_row(plan: OfflinePlan, row: RowSpec, concurrency: int, progress: Progress) -> RowResult:
@@ -96,7 +77,6 @@ def run_row(plan: OfflinePlan, row: RowSpec, concurrency: int, progress: Progres
         outcome.result, outcome.other_cpu, outcome.attempts = quietest(plan.quiet, attempt, busy)
         outcome.quiet = plan.quiet.is_quiet(outcome.other_cpu) if plan.quiet else None
         outcome.figures = row_figures(outcome.result)
-        outcome.pass_throughputs = [outcome.figures.output_throughput]
     except _Skip as skip:
         outcome.skipped = str(skip)
     except WorkerError as exc:

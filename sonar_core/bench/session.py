@@ -68,6 +68,8 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
         raise ConfigError("max_tokens", f"must be at least 1, got {args.max_tokens}", "pass --max-tokens 1 or more")
     if args.max_other_cpu is not None and args.max_other_cpu < 0:
         raise ConfigError("max_other_cpu", f"must be 0 or more cores, got {args.max_other_cpu}", "pass e.g. --max-other-cpu 0.3")
+    if args.passes < 1:
+        raise ConfigError("passes", f"must be at least 1, got {args.passes}", "pass --passes 1 or more")
     if args.max_attempts < 1:
         raise ConfigError("max_attempts", f"must be at least 1, got {args.max_attempts}", "pass --max-attempts 1 or more")
     if args.threads is not None and args.threads < 1:
@@ -122,8 +124,6 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
 
 
 def bench_offline(args: argparse.Namespace, show_progress: bool = True) -> list[Table]:
-    if args.passes < 1:
-        raise ConfigError("passes", f"must be at least 1, got {args.passes}", "pass --passes 1 or more")
     setup = prepare(args, args.peer or [])
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +157,12 @@ def bench_serve(args: argparse.Namespace, show_progress: bool = True) -> list[Ta
             "--url benchmarks a server that is already running, with its own configuration",
             "drop --url to let the benchmark start one server per --speculative-config, or drop --speculative-config",
         )
+    if args.url and args.passes > 1:
+        raise ConfigError(
+            "passes",
+            "--url benchmarks a running server once: a second pass would meet what it learnt from the first",
+            "drop --passes, or drop --url to let the benchmark start a fresh server for every pass",
+        )
     setup = prepare(args, [])
     log_dir = args.log_dir or Path(tempfile.gettempdir()) / "sonar-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +183,7 @@ def bench_serve(args: argparse.Namespace, show_progress: bool = True) -> list[Ta
             url=args.url,
             api_key=args.api_key,
             quiet=setup.quiet,
+            passes=args.passes,
         )
 
     return _measure(args, setup, "HTTP", plan, run_serve, show_progress)

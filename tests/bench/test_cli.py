@@ -36,6 +36,11 @@ def test_url_and_speculative_configs_do_not_mix(tiny_model: Path, capsys: pytest
     assert "--url benchmarks a server that is already running" in capsys.readouterr().err
 
 
+def test_a_running_server_is_measured_in_one_pass(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", str(tiny_model), "--url", "http://127.0.0.1:9", "--passes", "2"]) == 2
+    assert "--url benchmarks a running server once" in capsys.readouterr().err
+
+
 def test_offline_rows_side_by_side(tiny_model: Path, fake_peer: object, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"

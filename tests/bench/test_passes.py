@@ -9,7 +9,7 @@ import pytest
 from sonar_core.bench import offline
 from sonar_core.bench.offline import OfflinePlan, run_offline
 from sonar_core.bench.progress import Progress
-from sonar_core.bench.results import RowResult
+from sonar_core.bench.results import RowResult, faster
 from sonar_core.bench.rows import RowSpec
 
 
@@ -39,6 +39,6 @@ def test_a_skipped_row_stays_skipped_and_a_measured_pass_wins() -> None:
     skipped = RowResult(RowSpec("vllm", None), 1, float("inf"), skipped="not installed")
     measured = RowResult(RowSpec("vllm", None), 1, float("inf"))
     measured.figures = SimpleNamespace(output_throughput=3.0)  # type: ignore[assignment]
-    assert offline.faster(skipped, skipped) is skipped
-    assert offline.faster(skipped, measured) is measured
-    assert offline.faster(measured, skipped) is measured
+    assert faster(skipped, skipped) is skipped
+    assert faster(skipped, measured) is measured
+    assert faster(measured, skipped) is measured

@@ -48,12 +48,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="A peer row: hf, hf:prompt_lookup, hf:assistant, vllm, vllm:ngram, llama_cpp, llama_cpp:prompt_lookup; "
         'options as JSON after =, e.g. \'hf:prompt_lookup={"num_speculative_tokens": 4}\'. Repeat for several.',
     )
-    offline.add_argument(
-        "--passes", type=int, default=1,
-        help="Measure every row this many times, each pass in the opposite row order of the one before, "
-        "and keep each row's fastest pass: on a shared machine, slow spells then miss some pass of every row "
-        "(default: 1).",
-    )
     serve = modes.add_parser(
         "serve",
         conflict_handler="resolve",
@@ -124,6 +118,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-attempts", type=int, default=3,
         help="Most measurements of one row under --max-other-cpu; the quietest is kept (default: 3).",
+    )
+    group.add_argument(
+        "--passes", type=int, default=1,
+        help="Measure every row this many times, each pass in the opposite row order of the one before, "
+        "and keep each row's fastest pass: on a shared machine, slow spells then miss some pass of every row "
+        "(default: 1).",
     )
     group.add_argument("--title", default=None, help="Heading of the table (default: workload, mode and dtype).")
     out = parser.add_argument_group("output")
