@@ -114,12 +114,13 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
     with its configuration is an error now rather than a failed row later."""
     if row.engine != SONAR or row.method is None:
         return row
-    registry = get_plugin_manager().method_registry
+    manager = get_plugin_manager()
+    registry = manager.method_registry
     if row.method not in registry and row.method in SONAR_METHOD_PACKAGES:
         package = SONAR_METHOD_PACKAGES[row.method]
         return RowSpec(row.engine, row.method, row.options, unavailable=f"method not installed (pip install {package})")
     config = EngineConfig.build(**{**base.model_dump(exclude_unset=True), "speculative_config": row.options})
-    validate_config(config, log_warnings=False)
+    validate_config(config, manager, log_warnings=False)
     return row
 
 

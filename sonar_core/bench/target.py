@@ -9,12 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sonar_core.models.loader import (
-    eos_token_ids,
-    load_tokenizer,
-    prepare_model_dir,
-    resolve_model_path,
-)
+from sonar_core.model_files import resolve_model_path
+from sonar_core.models.loader import eos_token_ids, load_tokenizer, prepare_model_dir
 
 
 @dataclass

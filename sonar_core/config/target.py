@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_core.errors import ConfigError
+from sonar_core.model_files import resolve_model_path
 
 # Keys under which configs state the longest sequence; when several exist the smallest wins.
 _LENGTH_KEYS = (
@@ -145,17 +146,13 @@ def target_info_for(model: str | None, *, tensor_parallel_size: int = 1, field: 
     try:
         path = Path(model).expanduser() if model is not None else None
         if path is None or not path.exists():
-            path = _resolve_with_loader(model)
+            path = _resolve(model)
         return _from_path(path, tensor_parallel_size)
     except ConfigError as exc:
         raise _on_field(exc, field) from None
 
 
-def _resolve_with_loader(model: str | None) -> Path:
-    # Imported here: the loader pulls in torch, which a configuration check of a local folder
-    # does not need.
-    from sonar_core.models.loader import resolve_model_path
-
+def _resolve(model: str | None) -> Path:
     try:
         return Path(resolve_model_path(model))
     except (OSError, ValueError) as exc:

@@ -1,9 +1,11 @@
-"""Check a configuration against the target and the installed plugins, before any weight loads.
+"""Check a configuration against the target and the installed methods, before any weight loads.
 
-Order: the method is resolved (registered names and aliases, then the plugins'
-``sonar_resolve_method_alias`` hook), the method's own options are validated by its options model,
-core's generic rules run, then each plugin's ``sonar_validate_speculative_config`` rules. Errors are
-:class:`ConfigError`; warnings are logged to ``sonar.config`` and returned.
+Order: the method is resolved (registered names and aliases, then the plugins' alias rules, or
+detected from the draft checkpoint when unset), the method's own options are validated by its
+options model, core's generic rules run, then the method's own rules. The installed methods reach
+these rules as a :class:`~sonar_core.config.catalogue.MethodCatalogue` (the plugin manager is
+one), so configuration never imports the plugin system. Errors are :class:`ConfigError`; warnings
+are logged to ``sonar.config`` and returned.
 """
 
 from __future__ import annotations
@@ -11,19 +13,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from sonar_core.config.catalogue import MethodCatalogue, MethodDescription
 from sonar_core.config.engine import EngineConfig
+from sonar_core.config.method_detection import detect_method
 from sonar_core.config.speculative import CORE_FIELDS, FIELD, SpeculativeConfig
 from sonar_core.config.target import TargetInfo, target_info_for
 from sonar_core.config.validation_errors import config_error_from_validation, unknown_field_fix
 from sonar_core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from sonar_core.plugins.manager import SonarPluginManager
-    from sonar_core.plugins.registry import MethodSpec
 
 logger = logging.getLogger("sonar.config")
 
@@ -41,7 +41,7 @@ class ResolvedSpeculativeConfig:
 
     # method is the canonical name; num_speculative_tokens and draft_tensor_parallel_size are set.
     config: SpeculativeConfig
-    spec: MethodSpec
+    spec: MethodDescription
     # The method's options, validated by its options model (None when it has none).
     options: BaseModel | None
     # The name the user wrote (an alias, or the method itself).
@@ -76,8 +76,8 @@ class ValidatedConfig:
 
 def validate_speculative_config(
     config: SpeculativeConfig | Mapping[str, Any] | str,
-    target: TargetInfo | None = None,
-    plugin_manager: SonarPluginManager | None = None,
+    target: TargetInfo | None,
+    methods: MethodCatalogue,
     *,
     draft: TargetInfo | None = None,
     engine_max_model_len: int | None = None,
@@ -87,19 +87,22 @@ def validate_speculative_config(
 
     ``target`` enables the rules that compare with the target (its tensor-parallel size and length
     limit); ``draft`` is the draft checkpoint's info, read from ``config.model`` when a rule needs
-    it and it is not given. ``plugin_manager`` defaults to a fresh one for this process.
+    it and it is not given. ``methods`` is the catalogue of installed methods (the plugin manager).
     """
     config = SpeculativeConfig.build(config)
-    if plugin_manager is None:
-        from sonar_core.plugins.manager import get_plugin_manager
-
-        plugin_manager = get_plugin_manager()
     warnings: list[str] = []
-    requested, spec = _resolve_method(config, target, plugin_manager, warnings)
+    requested, spec = _resolve_method(config, target, methods, warnings)
     config = config.model_copy(update={"method": spec.name})
     options = _validate_options(config, spec)
+    if config.model is not None and spec.draft_architectures:
+        draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
+        _check_draft_architecture(spec, draft)
+    if config.num_speculative_tokens is None:
+        default = methods.default_num_speculative_tokens(config, target)
+        if default is not None:
+            config = config.model_copy(update={"num_speculative_tokens": default})
     config, depth = _apply_core_rules(config, target, draft, engine_max_model_len, warnings)
-    warnings.extend(_plugin_rules(config, target, plugin_manager))
+    warnings.extend(_method_rules(config, target, methods))
     if log_warnings:
         for warning in warnings:
             logger.warning("%s", warning)
@@ -127,7 +130,7 @@ def validate_engine_config(config: EngineConfig, target: TargetInfo) -> EngineCo
 
 def validate_config(
     config: EngineConfig | Mapping[str, Any],
-    plugin_manager: SonarPluginManager | None = None,
+    methods: MethodCatalogue,
     *,
     target: TargetInfo | None = None,
     log_warnings: bool = True,
@@ -145,7 +148,7 @@ def validate_config(
     speculative = validate_speculative_config(
         engine.speculative_config,
         target,
-        plugin_manager,
+        methods,
         engine_max_model_len=engine.max_model_len,
         log_warnings=log_warnings,
     )
@@ -155,37 +158,26 @@ def validate_config(
 def _resolve_method(
     config: SpeculativeConfig,
     target: TargetInfo | None,
-    plugin_manager: SonarPluginManager,
+    methods: MethodCatalogue,
     warnings: list[str],
-) -> tuple[str, MethodSpec]:
-    registry = plugin_manager.method_registry
+) -> tuple[str, MethodDescription]:
     requested = config.method
     if requested is None:
         if config.model is None:
             raise ConfigError(
                 f"{FIELD}.method",
                 "no method is set and no draft model is given",
-                f'set "method" to one of the installed methods ({", ".join(registry.names()) or "none"}), '
+                f'set "method" to one of the installed methods ({", ".join(methods.method_names()) or "none"}), '
                 'for example {"method": "ngram", "num_speculative_tokens": 4}',
             )
-        requested = "draft_model"
+        draft = target_info_for(config.model, field=f"{FIELD}.model")
+        requested, reason = detect_method(config.model, draft)
         warnings.append(
-            f'{FIELD}.method is not set; using "draft_model" with model {config.model!r}. '
+            f'{FIELD}.method is not set; using "{requested}" for model {config.model!r} ({reason}). '
             'Set "method" explicitly to silence this warning.'
         )
-    spec = registry.get(requested)
-    if spec is None:
-        mapped = plugin_manager.hook.sonar_resolve_method_alias(method=requested, target=target)
-        if mapped is None:
-            raise registry.unknown_method_error(requested, f"{FIELD}.method")
-        spec = registry.get(mapped)
-        if spec is None:
-            raise ConfigError(
-                f"{FIELD}.method",
-                f"a plugin maps {requested!r} to {mapped!r}, which is not an installed method",
-                f"install the plugin that provides {mapped!r}, or use one of: {', '.join(registry.names())}",
-            )
-    if spec.name != requested:
+    spec = methods.resolve_method(requested, target)
+    if spec.name != requested and config.method is not None:
         warnings.append(
             f'{FIELD}.method: {requested!r} is an old name of {spec.name!r}; write "method": '
             f'"{spec.name}" in new configurations.'
@@ -193,7 +185,7 @@ def _resolve_method(
     return requested, spec
 
 
-def _validate_options(config: SpeculativeConfig, spec: MethodSpec) -> BaseModel | None:
+def _validate_options(config: SpeculativeConfig, spec: MethodDescription) -> BaseModel | None:
     extras = config.method_options
     option_names = tuple(spec.options_model.model_fields) if spec.options_model is not None else ()
     accepted = (*CORE_FIELDS, *option_names)
@@ -268,17 +260,25 @@ def _check_draft_length(
             )
 
 
-def _plugin_rules(
-    config: SpeculativeConfig, target: TargetInfo | None, plugin_manager: SonarPluginManager
-) -> list[str]:
+def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo) -> None:
+    """The draft checkpoint must be one of the architectures the method registered."""
+    supported = [entry.architecture for entry in spec.draft_architectures]
+    if any(name in supported for name in draft.architectures):
+        return
+    found = ", ".join(draft.architectures) or "none"
+    raise ConfigError(
+        f"{FIELD}.model",
+        f"the draft checkpoint {draft.source or 'config'} declares architectures [{found}] "
+        f"(model_type {draft.model_type or 'unset'!r}), which method {spec.name!r} does not support; "
+        f"its registered draft architectures are: {', '.join(dict.fromkeys(supported))}",
+        "check the checkpoint's architectures and model_type fields against the supported-model table "
+        "(`aphrodite plugins --models`, docs/supported-models.md); pick a draft trained for this method, "
+        "or update Sonar when the checkpoint needs a newer implementation",
+    )
+
+
+def _method_rules(config: SpeculativeConfig, target: TargetInfo | None, methods: MethodCatalogue) -> list[str]:
     try:
-        results = plugin_manager.hook.sonar_validate_speculative_config(config=config, target=target)
+        return methods.method_rules(config, target)
     except ConfigError as exc:
         raise exc.with_field_prefix(FIELD) from None
-    warnings: list[str] = []
-    for result in results:
-        if isinstance(result, str):
-            warnings.append(result)
-        elif result:
-            warnings.extend(str(item) for item in result)
-    return warnings

@@ -6,7 +6,7 @@ import torch
 
 from sonar_core.config import EngineConfig
 from sonar_core.errors import ConfigError
-from sonar_core.spec_decode.proposer import KVLayerSpec
+from sonar_core.kv import KVLayerSpec
 
 # Default KV budget on CPU, where there is no device memory to measure.
 DEFAULT_CPU_KV_CACHE_GB = 2.0

@@ -16,17 +16,20 @@ from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
 from sonar_core.engine.request_errors import RequestError
 from sonar_core.engine.scheduler import Scheduler, SchedulerOutput
 from sonar_core.engine.sequence import Sequence
+from sonar_core.engine.speculator import ProposeItem, Speculator
+from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
-from sonar_core.layers.attention import allocate_kv_cache
-from sonar_core.models.loader import DEFAULT_MODEL_NAME, load_model, load_tokenizer
+from sonar_core.engine.verifier import Verifier
+from sonar_core.kv import allocate_kv_cache
+from sonar_core.model_files import DEFAULT_MODEL_NAME
+from sonar_core.models.hidden_capture import HiddenStateCapture
+from sonar_core.models.loader import load_model, load_tokenizer
 from sonar_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sonar_core.plugins.manager import SonarPluginManager, get_plugin_manager
 from sonar_core.sample.sampler import make_generator
 from sonar_core.sampling_params import SamplingParams
-from sonar_core.spec_decode.factory import build_speculator
 from sonar_core.spec_decode.metrics import SpecDecodingStats
-from sonar_core.spec_decode.speculator import Speculator
-from sonar_core.spec_decode.verifier import Verifier
+from sonar_core.spec_decode.proposer import ProposerCapabilities, ProposerContext
 
 logger = logging.getLogger("sonar.engine")
 
@@ -47,21 +50,36 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, self.dtype, self.device)
+        speculative = validated.speculative
+        claimed = plugin_manager.target_tensor_claims(speculative.config, validated.target) if speculative else ()
+        loaded = load_model(config.model, self.dtype, self.device, claimed_prefixes=claimed)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = load_tokenizer(loaded)
         self.model_name = config.model or DEFAULT_MODEL_NAME
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.max_model_len
-        speculative = validated.speculative
+        token_budget = config.token_budget(self.max_model_len)
         self.spec_stats = SpecDecodingStats(
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0
         )
-        plan = build_speculator(
-            speculative, self.model, self.hf_config, self.tokenizer, self.dtype, self.device,
-            self.max_model_len, plugin_manager,
-        )
+        plan = None
+        if speculative is not None:
+            context = ProposerContext(
+                speculative_config=speculative.config,
+                method_options=speculative.options,
+                target_model=self.model,
+                target_hf_config=self.hf_config,
+                target_tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                device=self.device,
+                max_model_len=self.max_model_len,
+                target_modules=self.model.shared_modules(),
+                target_model_dir=loaded.model_dir,
+                max_num_batched_tokens=token_budget,
+                max_num_seqs=config.max_num_seqs,
+            )
+            plan = build_speculator(speculative, context, plugin_manager)
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len)
@@ -69,17 +87,16 @@ class LLMEngine:
                                    self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.token_budget(self.max_model_len),
-            on_preempt=self._on_preempt,
+            self.block_manager, config.max_num_seqs, token_budget, on_preempt=self._on_preempt
         )
+        capabilities = plan.capabilities if plan else ProposerCapabilities()
         self.runner = ModelRunner(
             self.model,
             caches[: len(target_specs)],
             config.block_size,
             self.device,
-            capture_layers=plan.capabilities.target_hidden_layers if plan else (),
+            capture=self._hidden_capture(capabilities, token_budget),
+            keep_final_hidden=capabilities.target_final_hidden,
         )
         self.speculator: Speculator | None = None
         if plan is not None:
@@ -100,6 +117,16 @@ class LLMEngine:
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens%s",
             self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
             f" speculative={config.speculative_config.method}" if plan else "",
+        )
+
+    def _hidden_capture(self, capabilities: ProposerCapabilities, max_tokens: int) -> HiddenStateCapture | None:
+        """The persistent buffer the target writes the proposer's requested states into."""
+        if not capabilities.target_hidden_layers:
+            return None
+        modules = self.model.shared_modules()
+        return HiddenStateCapture(
+            capabilities.target_hidden_layers, modules.num_layers, modules.hidden_size, max_tokens, self.dtype,
+            self.device,
         )
 
     # ----------------------------------------------------------------------------------- requests
@@ -237,22 +264,34 @@ class LLMEngine:
         metrics.last_token_time = now
 
     def _propose(self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int]) -> int:
-        """Ask the proposer for the next step's drafts; return how many tokens it drafted."""
+        """Ask the proposer for the next step's drafts; return how many tokens it drafted.
+
+        Every request the target ran is handed over, prefill chunks included, with its valid rows
+        of the step (the chunk, or the last accepted token and the accepted drafts).
+        """
         if self.speculator is None:
             return 0
-        seqs: list[Sequence] = []
-        budgets: list[int] = []
-        rows: list[slice] = []
-        for item, accepted, span in zip(sched.scheduled, num_accepted, run.hidden_rows, strict=True):
-            if not item.samples or item.seq.is_finished:
+        items: list[ProposeItem] = []
+        for item, accepted, rows, start in zip(
+            sched.scheduled, num_accepted, run.query_rows, run.start_positions, strict=True
+        ):
+            if item.seq.is_finished:
                 continue
-            seqs.append(item.seq)
-            budgets.append(self.speculator.draft_budget(item.seq, self.max_model_len))
-            rows.append(slice(span.start, span.start + item.num_new_tokens + accepted))
-        if not seqs:
+            valid = item.num_new_tokens + accepted
+            budget = self.speculator.draft_budget(item.seq, self.max_model_len) if item.samples else 0
+            items.append(
+                ProposeItem(
+                    seq=item.seq,
+                    budget=budget,
+                    hidden_rows=slice(rows.start, rows.start + valid),
+                    hidden_start=start,
+                    partial_prefill=not item.samples,
+                )
+            )
+        if not items:
             return 0
-        self.speculator.propose(seqs, budgets, run.captured, rows)
-        return sum(len(seq.draft_token_ids) for seq in seqs)
+        self.speculator.propose(items, run.hidden)
+        return sum(len(item.seq.draft_token_ids) for item in items)
 
     def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
         logprobs = seq.output_logprobs if seq.params.logprobs is not None else None

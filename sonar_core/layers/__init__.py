@@ -2,7 +2,7 @@
 cache, rotary embeddings, RMS norms and the pre-norm decoder layer.
 """
 
-from sonar_core.layers.attention import AttentionMetadata, KVCache, PagedAttention, allocate_kv_cache
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, GatedMLP, SelfAttention
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
@@ -12,12 +12,10 @@ __all__ = [
     "DecoderLayer",
     "DecoderLayerConfig",
     "GatedMLP",
-    "KVCache",
     "PagedAttention",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
     "SelfAttention",
-    "allocate_kv_cache",
     "apply_rotary",
 ]

@@ -20,16 +20,12 @@ head serves its whole group in a single batched matmul.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from sonar_core.spec_decode.proposer import KVLayerSpec
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from sonar_core.kv import KVCache
 
 
 @dataclass
@@ -178,28 +174,6 @@ class AttentionMetadata:
         if mask is None:
             mask = self._grouped_masks[n_rep] = self.attn_mask.repeat(1, 1, n_rep, 1)
         return mask
-
-
-def allocate_kv_cache(
-    specs: list[KVLayerSpec],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[KVCache]:
-    """One zero-filled ``(k_cache, v_cache)`` pair per spec.
-
-    Zero, not empty: the context read gathers whole blocks, and the unwritten tail of a sequence's
-    last block is masked out of the softmax. Masked garbage is harmless unless it is NaN/Inf, which
-    uninitialised memory can be (0 * NaN = NaN in the value product).
-    """
-    caches = []
-    for spec in specs:
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        caches.append(
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        )
-    return caches
 
 
 class PagedAttention(nn.Module):

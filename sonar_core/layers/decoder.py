@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sonar_core.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from sonar_core.kv import KVCache
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import apply_rotary

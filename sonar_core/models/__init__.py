@@ -2,11 +2,9 @@
 
 from sonar_core.models.base import CausalLM
 from sonar_core.models.loader import (
-    DEFAULT_MODEL_NAME,
     LoadedModel,
     load_model,
     load_tokenizer,
-    resolve_model_path,
 )
 from sonar_core.models.registry import (
     UnsupportedArchitectureError,
@@ -16,7 +14,6 @@ from sonar_core.models.registry import (
 )
 
 __all__ = [
-    "DEFAULT_MODEL_NAME",
     "CausalLM",
     "LoadedModel",
     "UnsupportedArchitectureError",
@@ -24,6 +21,5 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "register_architecture",
-    "resolve_model_path",
     "supported_architectures",
 ]

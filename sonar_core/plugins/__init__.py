@@ -24,6 +24,7 @@ from sonar_core.plugins.manager import (
 from sonar_core.plugins.registry import (
     MTP_LEGACY_METHOD_NAMES,
     SONAR_METHOD_PACKAGES,
+    DraftArchitecture,
     MethodRegistry,
     MethodSpec,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "SONAR_METHOD_PACKAGES",
     "TRACE_ENV",
     "MethodRegistry",
+    "DraftArchitecture",
     "MethodSpec",
     "PluginSource",
     "SonarPluginManager",

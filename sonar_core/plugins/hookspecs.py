@@ -53,6 +53,27 @@ def sonar_validate_speculative_config(
 
 
 @hookspec(firstresult=True)
+def sonar_default_num_speculative_tokens(config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
+    """The draft depth of ``config.method`` when the user set no ``num_speculative_tokens``.
+
+    Return it (for example the depth a draft checkpoint was trained for), or None when this plugin
+    does not own the method or has no default; then a missing value is an error. The first non-None
+    answer wins.
+    """
+
+
+@hookspec
+def sonar_claim_target_tensors(config: SpeculativeConfig, target: TargetInfo | None) -> list[str] | None:
+    """Name prefixes of tensors in the *target* checkpoint that ``config.method`` loads itself.
+
+    For draft weights shipped inside the target checkpoint (MTP layers, an embedded DSpark head):
+    the target loader skips exactly the tensors under these prefixes and stays strict for every
+    other name; the method reads them from ``ProposerContext.target_model_dir``. Return None for
+    other methods. Results of all plugins are combined.
+    """
+
+
+@hookspec(firstresult=True)
 def sonar_load_proposer_weights(
     config: SpeculativeConfig, context: ProposerContext
 ) -> dict[str, Any] | None:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from sonar_core.errors import PluginError
+from sonar_core.errors import ConfigError, PluginError
 from sonar_core.plugins import hookspecs
 from sonar_core.plugins.hookspecs import PROJECT_NAME, hookimpl
-from sonar_core.plugins.registry import MethodRegistry
+from sonar_core.plugins.registry import MethodRegistry, MethodSpec
 
 if TYPE_CHECKING:
-    from sonar_core.config import ResolvedSpeculativeConfig, SpeculativeConfig
+    from sonar_core.config import ResolvedSpeculativeConfig, SpeculativeConfig, TargetInfo
     from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
 ENTRY_POINT_GROUP = "sonar"
@@ -109,6 +109,45 @@ class SonarPluginManager(pluggy.PluginManager):
             self._registry = build_method_registry(self)
         return self._registry
 
+    # ---- the method catalogue that configuration checks read (sonar_core.config.MethodCatalogue)
+    def method_names(self) -> list[str]:
+        return self.method_registry.names()
+
+    def resolve_method(self, requested: str, target: TargetInfo | None) -> MethodSpec:
+        """The method of a registered name or alias, else of the plugins' alias rules."""
+        registry = self.method_registry
+        spec = registry.get(requested)
+        if spec is not None:
+            return spec
+        mapped = self.hook.sonar_resolve_method_alias(method=requested, target=target)
+        if mapped is None:
+            raise registry.unknown_method_error(requested, "speculative_config.method")
+        spec = registry.get(mapped)
+        if spec is None:
+            raise ConfigError(
+                "speculative_config.method",
+                f"a plugin maps {requested!r} to {mapped!r}, which is not an installed method",
+                f"install the plugin that provides {mapped!r}, or use one of: {', '.join(registry.names())}",
+            )
+        return spec
+
+    def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
+        return self.hook.sonar_default_num_speculative_tokens(config=config, target=target)
+
+    def method_rules(self, config: SpeculativeConfig, target: TargetInfo | None) -> list[str]:
+        warnings: list[str] = []
+        for result in self.hook.sonar_validate_speculative_config(config=config, target=target):
+            if isinstance(result, str):
+                warnings.append(result)
+            elif result:
+                warnings.extend(str(item) for item in result)
+        return warnings
+
+    def target_tensor_claims(self, config: SpeculativeConfig, target: TargetInfo | None) -> tuple[str, ...]:
+        """Name prefixes of target-checkpoint tensors the configured method loads itself."""
+        claims = self.hook.sonar_claim_target_tensors(config=config, target=target)
+        return tuple(dict.fromkeys(prefix for result in claims for prefix in result or ()))
+
     def create_proposer(self, resolved: ResolvedSpeculativeConfig, context: ProposerContext) -> Proposer:
         """Load the method's weights and build its proposer through the hooks."""
         from sonar_core.spec_decode.proposer import Proposer
@@ -116,8 +155,10 @@ class SonarPluginManager(pluggy.PluginManager):
         weights = self.hook.sonar_load_proposer_weights(config=resolved.config, context=context)
         proposer = self.hook.sonar_create_proposer(config=resolved.config, context=context, weights=weights)
         if not isinstance(proposer, Proposer):
+            spec = self.method_registry.get(resolved.method)
+            distribution = spec.distribution if spec is not None else ""
             raise PluginError(
-                f"method {resolved.method!r} ({resolved.spec.distribution or 'unknown distribution'}) "
+                f"method {resolved.method!r} ({distribution or 'unknown distribution'}) "
                 f"built {type(proposer).__name__} instead of a sonar_core.spec_decode.proposer.Proposer. "
                 "Fix: the method's create_proposer must return a Proposer instance."
             )

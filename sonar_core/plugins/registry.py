@@ -18,18 +18,35 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class DraftArchitecture:
+    """A draft checkpoint format a method loads: one row of the supported-model table.
+
+    ``architecture`` is matched against the draft config's ``architectures``; ``layout`` names the
+    published layout (``"SafeAILab EAGLE-3"``, ``"speculators eagle3"``); ``notes`` says what else
+    the method requires of such a checkpoint (a ``model_type`` of its inner layer config, ...).
+    """
+
+    architecture: str
+    layout: str
+    notes: str = ""
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     """One speculation method as a plugin provides it.
 
     ``create_proposer(context, weights)`` builds the proposer; ``options_model`` is a pydantic model
     (``extra="forbid"``) of the method's own options beyond the documented core fields; unknown keys
-    are rejected with the key and the method named.
+    are rejected with the key and the method named. ``draft_architectures`` lists the draft
+    checkpoint formats the method loads (empty for methods without a draft checkpoint); a ``model``
+    of any other architecture is refused while the configuration is checked, before anything loads.
     """
 
     name: str
     create_proposer: Callable[[ProposerContext, dict[str, Any] | None], Proposer]
     description: str = ""
     options_model: type[BaseModel] | None = None
+    draft_architectures: tuple[DraftArchitecture, ...] = ()
     # Filled in by the registry from the plugin's distribution.
     distribution: str = field(default="", compare=False)
     version: str = field(default="", compare=False)

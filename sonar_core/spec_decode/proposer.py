@@ -3,7 +3,9 @@
 The engine never branches on a method's name. What differs between methods is what a proposer
 declares in :class:`ProposerCapabilities` (target hidden states it reads, KV layers it owns in the
 paged cache, whether it returns draft probabilities, how many slots it needs) and the code of its
-:meth:`Proposer.propose`.
+:meth:`Proposer.propose`. Proposers that draft from the target's hidden states build on the helpers
+of :mod:`sonar_core.spec_decode` (draft attention, draft sampling, vocabulary maps, layer-index
+conventions, checkpoint readers); docs/hidden-states.md describes them.
 
 One engine step with speculation::
 
@@ -16,51 +18,94 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sonar_core.kv import KVLayerSpec
+
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig
+    from sonar_core.models.base import TargetModules
     from sonar_core.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class KVLayerSpec:
-    """Shape of one attention layer's KV cache that a proposer owns in the shared paged cache."""
-
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)
 class ProposerCapabilities:
     """What a proposer needs from the engine; the engine reads only these fields, never the method name."""
 
-    # Indices of target decoder layers whose output hidden states the proposer reads (EAGLE-style
-    # methods). Empty: the target's forward captures nothing extra and pays nothing.
+    # Target residual-stream states the proposer reads, in Sonar's index convention: state k is
+    # the stream after k decoder layers (0: the embeddings; L: the last layer's output before the
+    # final norm). sonar_core.spec_decode.layer_ids converts the published conventions. The engine
+    # writes them into one persistent buffer whose column blocks follow this order, for every
+    # token the target runs. Empty: nothing extra is captured and nothing is paid.
     target_hidden_layers: tuple[int, ...] = ()
+    # True: ProposeBatch.target_hidden.final holds the target's final, post-norm state (the LM
+    # head's input) for every token of the step (EAGLE-1, Medusa, MLP speculator, MTP).
+    target_final_hidden: bool = False
     # KV layers the proposer owns. They live in the engine's paged cache and share each request's
     # block table, so a draft model's KV is allocated, preempted and freed with the request.
     kv_layers: tuple[KVLayerSpec, ...] = ()
     # True when propose() returns per-token draft probabilities (probabilistic drafting). Otherwise
     # drafts are treated as one-hot by the rejection sampler.
     returns_draft_probs: bool = False
-    # Tokens a proposer drafts per pass; greater than 1 for parallel (block) drafting.
-    block_size: int = 1
-    # KV slots a request needs beyond its tokens and drafts (e.g. mask positions of a block model).
+    # Parallel (block) drafters: the query slots they place in one pass, from the position of the
+    # request's newest token on. The engine keeps that many positions allocated for a drafting
+    # request even when the step's draft budget is shorter than the block. 0: not a block drafter.
+    draft_block_len: int = 0
+    # KV slots a request needs beyond its tokens, drafts and draft block.
     extra_slots_per_request: int = 0
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
 
+    def __post_init__(self) -> None:
+        if len(set(self.target_hidden_layers)) != len(self.target_hidden_layers):
+            raise ValueError(f"target_hidden_layers must not repeat, got {self.target_hidden_layers}")
+
+    @property
+    def reads_target_hidden(self) -> bool:
+        return bool(self.target_hidden_layers) or self.target_final_hidden
+
+
+@dataclass
+class TargetHiddenStates:
+    """The target's hidden states for every token of one engine step's flat batch.
+
+    Rows follow the flat batch of the target's forward (each request's tokens, then its drafts);
+    a request's valid rows are ``ProposalRequest.hidden_rows``. The tensors are views of buffers
+    the next step overwrites: read them during ``propose`` and copy what must outlive the call.
+    """
+
+    # The captured states' indices (ProposerCapabilities.target_hidden_layers), in column order.
+    layers: tuple[int, ...]
+    hidden_size: int
+    # [T, len(layers) * hidden_size]: state layers[i] in columns i*H:(i+1)*H; None when no layers.
+    aux: torch.Tensor | None = None
+    # [T, hidden_size] final post-norm states; None unless target_final_hidden was asked for.
+    final: torch.Tensor | None = None
+
+    def layer(self, index: int) -> torch.Tensor:
+        """``[T, hidden_size]`` state ``index`` (one of ``layers``)."""
+        if self.aux is None or index not in self.layers:
+            raise KeyError(f"target state {index} was not captured (captured: {self.layers})")
+        column = self.layers.index(index) * self.hidden_size
+        return self.aux[:, column : column + self.hidden_size]
+
 
 @dataclass
 class ProposalRequest:
-    """One request's state when the engine asks for drafts."""
+    """One request's state when the engine asks for drafts.
+
+    Every request the target ran this step is here, prefill chunks included: a request in the
+    middle of a long prompt has ``max_draft_tokens == 0`` and ``is_partial_prefill``, and its
+    hidden rows let a proposer keep its own KV cache or exported states free of holes.
+    """
 
     request_id: str
-    # Prompt plus every accepted output token, the newest last. The target has not yet run on the
-    # last token; the drafts continue after it.
+    # Every known token of the request: its prompt plus every accepted output token, the newest
+    # last. When the request sampled this step, the target has not yet run on the newest token and
+    # the drafts continue after it.
     token_ids: list[int]
     # Number of tokens at the end of token_ids appended since this request's previous propose
     # call (its whole length on the first call, or after a preemption).
@@ -68,15 +113,25 @@ class ProposalRequest:
     # Upper bound for this request's draft length this step (0: do not draft).
     max_draft_tokens: int
     # Physical KV block ids covering at least len(token_ids) + max_draft_tokens
-    # + extra_slots_per_request positions.
+    # + extra_slots_per_request positions (and the draft block, for block drafters).
     block_table: list[int]
-    # Rows of ProposeBatch.target_hidden holding this request's valid (accepted) target positions
-    # from this step, ordered by position; the last row belongs to token_ids[-2].
+    # Rows of ProposeBatch.target_hidden holding this request's valid target positions from this
+    # step (its prefill chunk, or its last accepted token and the accepted drafts), in order.
     hidden_rows: slice = field(default_factory=lambda: slice(0, 0))
+    # The position of the first of hidden_rows: row i holds position hidden_start + i, whose next
+    # token is token_ids[hidden_start + i + 1].
+    hidden_start: int = 0
+    # True for a chunk in the middle of a long prompt: the target has not reached the prompt's
+    # end, nothing was sampled and nothing may be drafted.
+    is_partial_prefill: bool = False
     # The request's sampling parameters, for proposers that draft at the request's temperature.
     params: SamplingParams | None = None
     # The request's random generator when it is seeded (probabilistic drafting stays reproducible).
     generator: torch.Generator | None = None
+
+    @property
+    def num_hidden_rows(self) -> int:
+        return self.hidden_rows.stop - self.hidden_rows.start
 
 
 @dataclass
@@ -84,14 +139,21 @@ class ProposeBatch:
     """Everything a proposer may read for one step."""
 
     requests: list[ProposalRequest]
+    # Tokens per block of the paged KV cache.
     block_size: int
     # (key_cache, value_cache) for each layer in ProposerCapabilities.kv_layers, each of shape
     # [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    # layer index -> [num_rows, hidden_size] hidden states of the target's valid positions this step,
-    # for the layers in ProposerCapabilities.target_hidden_layers.
-    target_hidden: dict[int, torch.Tensor]
-    device: torch.device
+    device: torch.device | None = None
+    # The step's target states, when the capabilities ask for any.
+    target_hidden: TargetHiddenStates | None = None
+
+    def hidden_row_index(self, requests: list[ProposalRequest] | None = None) -> torch.Tensor:
+        """``[R]`` int64 rows of ``target_hidden`` holding the valid positions of ``requests``
+        (all by default), request by request, in position order."""
+        chosen = self.requests if requests is None else requests
+        rows = [row for r in chosen for row in range(r.hidden_rows.start, r.hidden_rows.stop)]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
 
 @dataclass
@@ -119,6 +181,15 @@ class ProposerContext:
     device: torch.device
     # Maximum total length (prompt + output) of a request.
     max_model_len: int
+    # The target's embedding, final norm and LM head, to share instead of copying.
+    target_modules: TargetModules | None = None
+    # The target checkpoint's folder (config.json and weights), for methods whose draft weights
+    # ship inside it (see the sonar_claim_target_tensors hook).
+    target_model_dir: Path | None = None
+    # Most tokens the target runs in one step (the rows of a step's hidden states).
+    max_num_batched_tokens: int = 0
+    # Most requests in one step.
+    max_num_seqs: int = 0
 
 
 class Proposer(ABC):

@@ -20,8 +20,14 @@ class FakeMethodPlugin:
         options_model: type[BaseModel] | None = None,
         rule: Callable[[Any, Any], list[str] | None] | None = None,
         create: Callable[[Any, Any], Any] | None = None,
+        default_depth: int | None = None,
+        claims: tuple[str, ...] = (),
+        draft_architectures: tuple[Any, ...] = (),
     ) -> None:
         self.name = name
+        self.default_depth = default_depth
+        self.claims = claims
+        self.draft_architectures = draft_architectures
         self.aliases = aliases
         self.options_model = options_model
         self.rule = rule
@@ -30,7 +36,13 @@ class FakeMethodPlugin:
     @hookimpl
     def sonar_register_methods(self, registry: Any) -> None:
         registry.register(
-            MethodSpec(self.name, self.create, description=f"fake {self.name}", options_model=self.options_model),
+            MethodSpec(
+                self.name,
+                self.create,
+                description=f"fake {self.name}",
+                options_model=self.options_model,
+                draft_architectures=self.draft_architectures,
+            ),
             aliases=self.aliases,
         )
 
@@ -39,6 +51,14 @@ class FakeMethodPlugin:
         if config.method != self.name or self.rule is None:
             return None
         return self.rule(config, target)
+
+    @hookimpl
+    def sonar_default_num_speculative_tokens(self, config: Any, target: Any) -> int | None:
+        return self.default_depth if config.method == self.name else None
+
+    @hookimpl
+    def sonar_claim_target_tensors(self, config: Any, target: Any) -> list[str] | None:
+        return list(self.claims) if config.method == self.name and self.claims else None
 
 
 def fake_source(name: str, distribution: str | None = None, version: str = "1.0") -> PluginSource:

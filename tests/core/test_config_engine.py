@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from sonar_core.config import EngineConfig, TargetInfo, validate_config, validate_engine_config
 from sonar_core.errors import ConfigError
+from sonar_core.plugins import get_plugin_manager
 
 
 def target(limit: int | None = 512) -> TargetInfo:
@@ -170,6 +171,6 @@ def test_validate_config_reads_the_model_folder(make_model_dir, manager_with):
 
 def test_model_that_does_not_exist(tmp_path):
     with pytest.raises(ConfigError) as info:
-        validate_config({"model": str(tmp_path / "missing")})
+        validate_config({"model": str(tmp_path / "missing")}, get_plugin_manager(load_entry_points=False))
     assert info.value.field == "model"
     assert "local folder" in info.value.fix

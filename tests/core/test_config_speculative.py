@@ -77,6 +77,31 @@ def test_method_unset_with_model_means_draft_model(manager_with, make_model_dir)
     assert any("method is not set" in warning for warning in resolved.warnings)
 
 
+@pytest.mark.parametrize(
+    ("config", "method", "reason"),
+    [
+        ({"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"]}, "eagle3", "speculators_model_type"),
+        ({"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}, "dflash", "architecture"),
+        ({"architectures": ["MedusaModel"], "model_type": "medusa"}, "medusa", "model_type"),
+        ({"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator"}, "mlp_speculator", "model_type"),
+    ],
+)
+def test_method_unset_is_detected_from_the_draft_config(config, method, reason, manager_with, make_model_dir):
+    manager = manager_with(FakeMethodPlugin(method))
+    folder = make_model_dir("head", **config)
+    resolved = validate({"model": str(folder), "num_speculative_tokens": 2}, manager)
+    assert resolved.method == method
+    assert any(f'using "{method}"' in w and reason in w for w in resolved.warnings)
+
+
+def test_method_unset_is_detected_from_the_draft_name(manager_with, make_model_dir):
+    manager = manager_with(FakeMethodPlugin("eagle3"))
+    folder = make_model_dir("my-EAGLE3-head")
+    resolved = validate({"model": str(folder), "num_speculative_tokens": 2}, manager)
+    assert resolved.method == "eagle3"
+    assert any("name contains 'eagle3'" in w for w in resolved.warnings)
+
+
 def test_registered_alias_resolves_with_a_warning(manager_with, caplog):
     manager = manager_with(FakeMethodPlugin("mtp", aliases=("deepseek_mtp", "mimo_mtp")))
     with caplog.at_level(logging.WARNING, logger="sonar.config"):
@@ -136,6 +161,14 @@ def test_num_speculative_tokens_is_required(lookup):
     with pytest.raises(ConfigError) as info:
         validate({"method": "lookup"}, lookup)
     assert info.value.field == "speculative_config.num_speculative_tokens"
+
+
+def test_a_method_may_default_num_speculative_tokens(manager_with):
+    manager = manager_with(FakeMethodPlugin("lookup", default_depth=5))
+    resolved = validate({"method": "lookup"}, manager)
+    assert resolved.num_speculative_tokens == 5 == resolved.config.num_speculative_tokens
+    # An explicit value always wins.
+    assert validate({"method": "lookup", "num_speculative_tokens": 2}, manager).num_speculative_tokens == 2
 
 
 def test_num_speculative_tokens_must_be_an_integer(lookup):
@@ -333,3 +366,22 @@ def test_every_documented_field_has_a_default_and_a_docstring():
     for name in documented:
         assert not fields[name].is_required(), name
         assert fields[name].description, name
+
+
+# --- draft architectures ------------------------------------------------------------------------
+
+
+def test_a_draft_of_an_unregistered_architecture_is_refused_before_loading(manager_with, make_model_dir):
+    from sonar_core.plugins import DraftArchitecture
+
+    plugin = FakeMethodPlugin("heads", draft_architectures=(DraftArchitecture("HeadModel", "test layout"),))
+    manager = manager_with(plugin)
+    good = make_model_dir("good", architectures=["HeadModel"], model_type="head")
+    assert validate({"method": "heads", "model": str(good), "num_speculative_tokens": 2}, manager).method == "heads"
+    bad = make_model_dir("bad", architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(ConfigError) as info:
+        validate({"method": "heads", "model": str(bad), "num_speculative_tokens": 2}, manager)
+    error = info.value
+    assert error.field == "speculative_config.model"
+    assert "[MistralForCausalLM]" in error.message and "'mistral'" in error.message and "HeadModel" in error.message
+    assert "architectures and model_type" in error.fix and "aphrodite plugins --models" in error.fix

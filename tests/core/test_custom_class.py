@@ -186,7 +186,7 @@ def build(manager, resolved):
 def propose(proposer, tokens, budget=3):
     request = ProposalRequest(request_id="r", token_ids=tokens, num_new_tokens=len(tokens), max_draft_tokens=budget,
                               block_table=[0])
-    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], target_hidden={}, device=None)
+    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], device=None)
     return proposer.propose(batch).token_ids[0]
 
 

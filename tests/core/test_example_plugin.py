@@ -27,7 +27,7 @@ def bigram_module():
 def step(proposer, request_id, tokens, budget=4, new=None):
     request = ProposalRequest(request_id=request_id, token_ids=tokens, num_new_tokens=new or len(tokens),
                               max_draft_tokens=budget, block_table=[0])
-    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], target_hidden={}, device=None)
+    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], device=None)
     return proposer.propose(batch).token_ids[0]
 
 

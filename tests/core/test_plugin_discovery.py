@@ -97,5 +97,5 @@ def test_installed_plugin_builds_its_proposer(manager):
     )
     proposer = manager.create_proposer(resolved, context)
     request = ProposalRequest(request_id="r", token_ids=[5, 6, 7], num_new_tokens=3, max_draft_tokens=3, block_table=[0])
-    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], target_hidden={}, device=None)
+    batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], device=None)
     assert proposer.propose(batch).token_ids == [[7, 7]]

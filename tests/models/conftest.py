@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sonar_core.layers.attention import AttentionMetadata, allocate_kv_cache
+from sonar_core.kv import allocate_kv_cache
+from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.base import CausalLM
+from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.testing.checkpoints import CheckpointFactory
 
 
@@ -56,16 +58,26 @@ class PagedRunner:
         self, new_tokens: dict[str, list[int]], causal: bool = True, capture_layers: tuple[int, ...] = ()
     ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
         """One flattened forward. Returns float32 logits ``[q, vocab]`` per sequence and, per
-        captured layer, hidden states ``[q, H]`` per sequence."""
+        captured residual-stream state (Sonar's index: after k layers), ``[q, H]`` per sequence."""
         metadata = self.metadata(new_tokens, causal)
         flat = [t for tokens in new_tokens.values() for t in tokens]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
-        hidden, captured = self.model(input_ids, metadata.positions, self.caches, metadata, capture_layers)
+        capture = None
+        if capture_layers:
+            modules = self.model.shared_modules()
+            capture = HiddenStateCapture(
+                capture_layers, modules.num_layers, modules.hidden_size, len(flat), self.caches[0][0].dtype,
+                self.device,
+            )
+        hidden = self.model(input_ids, metadata.positions, self.caches, metadata, capture)
         logits = self.model.compute_logits(hidden)
         starts = metadata.query_start_loc.tolist()
         rows = {seq: slice(starts[i], starts[i + 1]) for i, seq in enumerate(new_tokens)}
         per_seq = {seq: logits[r] for seq, r in rows.items()}
-        layers = {layer: {seq: h[r] for seq, r in rows.items()} for layer, h in captured.items()}
+        layers = {
+            layer: {seq: capture.buffer[r, capture.columns(layer)].clone() for seq, r in rows.items()}
+            for layer in capture_layers
+        }
         return per_seq, layers
 
     def greedy(self, prompts: dict[str, list[int]], max_new_tokens: int, eos_ids: list[int]) -> dict[str, list[int]]:

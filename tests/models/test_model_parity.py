@@ -97,30 +97,34 @@ def test_greedy_generation_matches_transformers(arch, checkpoints, paged_runner,
     assert len(set(ours["short"] + ours["long"])) > 5, "the tiny checkpoint's greedy text should vary"
 
 
-def test_capture_layers_match_transformers_hidden_states(checkpoints, paged_runner, hf_reference):
+def test_captured_states_match_transformers_hidden_states(checkpoints, paged_runner, hf_reference):
     path = checkpoints.get("qwen3", num_layers=3, head_dim=32)
     model = load_model(path, torch.float32, "cpu").model
     hf = hf_reference(path)
     prompts = {"a": [3, 14, 15, 92, 65, 35], "b": [8, 9]}
     runner = paged_runner(model, block_size=4)
-    _, captured = runner.step(prompts, capture_layers=(0, 1, 2))
-    assert sorted(captured) == [0, 1, 2]
+    # Sonar's index: the state after k layers (0: embeddings; 3: the last layer's raw output).
+    _, captured = runner.step(prompts, capture_layers=(3, 0, 1, 2))
+    assert sorted(captured) == [0, 1, 2, 3]
     for seq, tokens in prompts.items():
         with torch.no_grad():
             states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        # transformers: states[i + 1] is layer i's output, except the last entry, which is normed.
-        for layer in (0, 1):
-            err = (captured[layer][seq] - states[layer + 1][0]).abs().max().item()
-            assert err < 1e-4, f"layer {layer} {seq}: {err:.2e}"
+        # transformers' tuple has the same index, except the last entry, which is normed.
+        for layer in (0, 1, 2):
+            err = (captured[layer][seq] - states[layer][0]).abs().max().item()
+            assert err < 1e-4, f"state {layer} {seq}: {err:.2e}"
         with torch.no_grad():
-            last = model.model.norm(captured[2][seq])
+            last = model.model.norm(captured[3][seq])
         assert (last - states[3][0]).abs().max().item() < 1e-4
 
 
-def test_nothing_captured_by_default(checkpoints, paged_runner):
-    model = load_model(checkpoints.get("llama"), torch.float32, "cpu").model
-    _, captured = paged_runner(model).step({"a": [1, 2, 3]})
-    assert captured == {}
+def test_capture_refuses_states_outside_the_model(checkpoints):
+    from sonar_core.models.hidden_capture import HiddenStateCapture
+
+    with pytest.raises(ValueError, match=r"outside 0\.\.3"):
+        HiddenStateCapture((4,), 3, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="repeat"):
+        HiddenStateCapture((1, 1), 3, 8, 4, torch.float32, "cpu")
 
 
 def test_inputs_embeds_equal_input_ids(checkpoints, paged_runner):
@@ -130,9 +134,9 @@ def test_inputs_embeds_equal_input_ids(checkpoints, paged_runner):
     metadata = runner_ids.metadata({"a": tokens})
     with torch.inference_mode():
         ids = torch.tensor(tokens)
-        by_ids, _ = model(ids, metadata.positions, runner_ids.caches, metadata)
+        by_ids = model(ids, metadata.positions, runner_ids.caches, metadata)
         metadata = runner_embeds.metadata({"a": tokens})
-        by_embeds, _ = model(None, metadata.positions, runner_embeds.caches, metadata, inputs_embeds=model.embed_tokens(ids))
+        by_embeds = model(None, metadata.positions, runner_embeds.caches, metadata, inputs_embeds=model.embed_tokens(ids))
     torch.testing.assert_close(by_ids, by_embeds, rtol=0, atol=0)
 
 

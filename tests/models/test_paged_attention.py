@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from sonar_core.layers.attention import AttentionMetadata, PagedAttention, allocate_kv_cache
+from sonar_core.kv import KVLayerSpec, allocate_kv_cache
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.rotary import RopeConfig
-from sonar_core.spec_decode.proposer import KVLayerSpec
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 

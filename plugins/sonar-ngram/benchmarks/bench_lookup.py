@@ -83,7 +83,7 @@ def proposer_step(proposer: Proposer) -> Callable[[list[list[int]], list[int]], 
         ]
         proposer.propose(
             ProposeBatch(
-                requests=requests, block_size=16, kv_caches=[], target_hidden={}, device=torch.device("cpu")
+                requests=requests, block_size=16, kv_caches=[], device=torch.device("cpu")
             )
         )
 

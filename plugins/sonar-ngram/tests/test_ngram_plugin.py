@@ -26,7 +26,7 @@ def manager() -> SonarPluginManager:
 
 
 def validate(manager: SonarPluginManager, **fields: Any):
-    return validate_speculative_config({"num_speculative_tokens": 4, **fields}, plugin_manager=manager)
+    return validate_speculative_config({"num_speculative_tokens": 4, **fields}, None, manager)
 
 
 def test_entry_point_belongs_to_the_distribution() -> None:

@@ -24,7 +24,7 @@ def make_proposers(bounds: LookupBounds) -> list[Proposer]:
 
 def batch_of(requests: list[ProposalRequest]) -> ProposeBatch:
     return ProposeBatch(
-        requests=requests, block_size=16, kv_caches=[], target_hidden={}, device=torch.device("cpu")
+        requests=requests, block_size=16, kv_caches=[], device=torch.device("cpu")
     )
 
 

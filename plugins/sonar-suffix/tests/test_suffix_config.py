@@ -23,7 +23,7 @@ def plugin_manager():
 
 
 def validate(plugin_manager, **fields):
-    return validate_speculative_config({**BASE, **fields}, plugin_manager=plugin_manager, log_warnings=False)
+    return validate_speculative_config({**BASE, **fields}, None, plugin_manager, log_warnings=False)
 
 
 def test_suffix_is_registered_from_the_installed_distribution(plugin_manager) -> None:

@@ -40,7 +40,7 @@ class Driver:
             block_table=[],
         )
         self.unproposed = 0
-        batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], target_hidden={}, device=torch.device("cpu"))
+        batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], device=torch.device("cpu"))
         (draft,) = self.proposer.propose(batch).token_ids
         assert len(draft) <= max_draft_tokens
         return draft

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from sonar_core.config import config_error_from_validation, validate_config
 from sonar_core.entrypoints.args import add_engine_args, add_model_arg, engine_config_from_args
+from sonar_core.plugins import get_plugin_manager
 from sonar_core.sampling_params import SamplingParams
 
 NAME = "generate"
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise config_error_from_validation(exc) from None
     # Fail before the model loads; the engine validates again and logs the warnings then.
-    validate_config(engine_config, log_warnings=False)
+    validate_config(engine_config, get_plugin_manager(), log_warnings=False)
     from aphrodite import LLM
 
     llm = LLM(**engine_config.model_dump(exclude_unset=True))

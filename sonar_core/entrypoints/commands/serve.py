@@ -17,6 +17,7 @@ from sonar_core.entrypoints.args import (
     engine_config_from_args,
     server_args_from_args,
 )
+from sonar_core.plugins import get_plugin_manager
 
 NAME = "serve"
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     # The engine validates again when it starts and logs the warnings then; log them here only
     # when the check is all there is.
-    validated = validate_config(engine_config, log_warnings=args.check_config)
+    validated = validate_config(engine_config, get_plugin_manager(), log_warnings=args.check_config)
     if args.check_config:
         print(describe(validated))
         return 0

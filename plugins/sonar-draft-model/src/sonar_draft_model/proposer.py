@@ -126,7 +126,7 @@ class DraftModelProposer(Proposer):
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         if self.vocab is not None:
             ids = self.vocab.to_draft(ids)
-        hidden, _ = self.model(ids, metadata.positions, batch.kv_caches, metadata)
+        hidden = self.model(ids, metadata.positions, batch.kv_caches, metadata)
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden.index_select(0, last))
         if self.vocab is not None:

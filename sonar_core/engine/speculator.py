@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
-from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer
+from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer, TargetHiddenStates
+
+
+@dataclass
+class ProposeItem:
+    """One request the target ran this step, as the proposer will see it."""
+
+    seq: Sequence
+    # Drafts the request may get (0 for a prefill chunk that did not reach the prompt's end).
+    budget: int
+    # Its valid rows of the step's flat batch, and the position of the first.
+    hidden_rows: slice
+    hidden_start: int
+    partial_prefill: bool
 
 
 class Speculator:
@@ -54,67 +69,70 @@ class Speculator:
             budget = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return max(budget, 0)
 
-    def propose(
-        self,
-        seqs: list[Sequence],
-        budgets: list[int],
-        captured: dict[int, torch.Tensor],
-        hidden_rows: list[slice],
-    ) -> None:
-        """Set ``draft_token_ids`` (and ``draft_probs``) on every request for the next step."""
+    def reserve(self, seq: Sequence, budget: int) -> int:
+        """Grow the request's blocks for ``budget`` drafts (and a block drafter's whole block);
+        returns the budget that fits, 0 when the cache has no room now."""
+        if budget == 0:
+            return 0
+        capabilities = self.capabilities
+        ahead = max(budget, capabilities.draft_block_len - 1)
+        needed = seq.num_tokens + ahead + capabilities.extra_slots_per_request
+        return budget if self.block_manager.grow(seq.block_table, needed) else 0
+
+    def propose(self, items: list[ProposeItem], hidden: TargetHiddenStates | None) -> None:
+        """Set ``draft_token_ids`` (and ``draft_probs``) on every sampling request for the next step.
+
+        ``items`` holds every request the target ran this step and that is still running, prefill
+        chunks included (their budget is 0), so that proposers reading target states see every
+        position once.
+        """
+        budgets = [item.budget for item in items]
         if self.depth is not None:
-            budgets = self.depth.choose([s.request_id for s in seqs], budgets)
+            drafting = [i for i, item in enumerate(items) if not item.partial_prefill]
+            chosen = self.depth.choose([items[i].seq.request_id for i in drafting], [budgets[i] for i in drafting])
+            for i, budget in zip(drafting, chosen, strict=True):
+                budgets[i] = budget
         requests: list[ProposalRequest] = []
-        rows: list[torch.Tensor] = []
-        num_rows = 0
-        extra = self.capabilities.extra_slots_per_request
-        for seq, budget, span in zip(seqs, budgets, hidden_rows, strict=True):
+        for item, budget in zip(items, budgets, strict=True):
+            seq = item.seq
             if seq.request_id not in self._known:
                 self.proposer.add_request(seq.request_id, seq.prompt_token_ids)
                 self._known.add(seq.request_id)
                 seq.num_unproposed_tokens = seq.num_tokens
-            if budget and not self.block_manager.grow(seq.block_table, seq.num_tokens + budget + extra):
-                budget = 0
-            length = span.stop - span.start
             requests.append(
                 ProposalRequest(
                     request_id=seq.request_id,
                     token_ids=seq.all_token_ids,
                     num_new_tokens=seq.num_unproposed_tokens,
-                    max_draft_tokens=budget,
+                    max_draft_tokens=self.reserve(seq, budget),
                     block_table=seq.block_table,
-                    hidden_rows=slice(num_rows, num_rows + length),
+                    hidden_rows=item.hidden_rows,
+                    hidden_start=item.hidden_start,
+                    is_partial_prefill=item.partial_prefill,
                     params=seq.params,
                     generator=seq.generator,
                 )
             )
             seq.num_unproposed_tokens = 0
-            num_rows += length
-            if captured:
-                rows.append(torch.arange(span.start, span.stop, device=self.device))
-        target_hidden: dict[int, torch.Tensor] = {}
-        if captured and rows:
-            index = torch.cat(rows)
-            target_hidden = {layer: h.index_select(0, index) for layer, h in captured.items()}
         proposal = self.proposer.propose(
             ProposeBatch(
                 requests=requests,
                 block_size=self.block_manager.block_size,
                 kv_caches=self.kv_caches,
-                target_hidden=target_hidden,
                 device=self.device,
+                target_hidden=hidden,
             )
         )
         offset = 0
-        for seq, request, tokens in zip(seqs, requests, proposal.token_ids, strict=True):
+        for item, request, tokens in zip(items, requests, proposal.token_ids, strict=True):
             if len(tokens) > request.max_draft_tokens:
                 raise RuntimeError(
                     f"proposer {type(self.proposer).__name__} returned {len(tokens)} drafts for request "
-                    f"{seq.request_id}, more than its max_draft_tokens={request.max_draft_tokens}"
+                    f"{request.request_id}, more than its max_draft_tokens={request.max_draft_tokens}"
                 )
-            seq.draft_token_ids = list(tokens)
+            item.seq.draft_token_ids = list(tokens)
             if proposal.probs is not None:
-                seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
+                item.seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
             offset += len(tokens)
 
     def observe_verification(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:

@@ -1,0 +1,37 @@
+"""Builds the proposer an engine configuration asks for, through the plugin hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sonar_core.config import ResolvedSpeculativeConfig
+from sonar_core.plugins.manager import SonarPluginManager
+from sonar_core.spec_decode.proposer import Proposer, ProposerCapabilities, ProposerContext
+
+
+@dataclass
+class SpeculatorPlan:
+    """A built proposer with the limits the engine applies around it."""
+
+    proposer: Proposer
+    num_speculative_tokens: int
+    # Drafting stops for requests longer than this (the draft's context limit).
+    draft_max_model_len: int
+    adaptive_depth: bool
+
+    @property
+    def capabilities(self) -> ProposerCapabilities:
+        return self.proposer.capabilities
+
+
+def build_speculator(
+    resolved: ResolvedSpeculativeConfig, context: ProposerContext, plugin_manager: SonarPluginManager
+) -> SpeculatorPlan:
+    """The proposer for ``resolved``, built from ``context`` through the plugin hooks."""
+    proposer = plugin_manager.create_proposer(resolved, context)
+    return SpeculatorPlan(
+        proposer=proposer,
+        num_speculative_tokens=resolved.num_speculative_tokens,
+        draft_max_model_len=resolved.draft_max_model_len or context.max_model_len,
+        adaptive_depth=resolved.config.depth_policy == "auto",
+    )

