@@ -47,6 +47,9 @@ class MethodCatalogue(Protocol):
         """The method ``requested`` names (itself, a registered alias, or a plugin's alias rule);
         raises :class:`~sonar_core.errors.ConfigError` on ``speculative_config.method`` when none."""
 
+    def methods_for_draft_architecture(self, architecture: str) -> list[str]:
+        """The installed methods that registered ``architecture`` as a draft architecture."""
+
     def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
         """The depth the method takes when the user sets none (from its checkpoint), or None."""
 

@@ -96,7 +96,7 @@ def validate_speculative_config(
     options = _validate_options(config, spec)
     if config.model is not None and spec.draft_architectures:
         draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
-        _check_draft_architecture(spec, draft)
+        _check_draft_architecture(spec, draft, methods)
     if config.num_speculative_tokens is None:
         default = methods.default_num_speculative_tokens(config, target)
         if default is not None:
@@ -260,18 +260,20 @@ def _check_draft_length(
             )
 
 
-def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo) -> None:
+def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo, methods: MethodCatalogue) -> None:
     """The draft checkpoint must be one of the architectures the method registered."""
     supported = [entry.architecture for entry in spec.draft_architectures]
     if any(name in supported for name in draft.architectures):
         return
     found = ", ".join(draft.architectures) or "none"
+    others = [name for arch in draft.architectures for name in methods.methods_for_draft_architecture(arch)]
+    hint = f'it is a draft for method {others[0]!r}: use "method": "{others[0]}", or ' if others else ""
     raise ConfigError(
         f"{FIELD}.model",
         f"the draft checkpoint {draft.source or 'config'} declares architectures [{found}] "
         f"(model_type {draft.model_type or 'unset'!r}), which method {spec.name!r} does not support; "
         f"its registered draft architectures are: {', '.join(dict.fromkeys(supported))}",
-        "check the checkpoint's architectures and model_type fields against the supported-model table "
+        f"{hint}check the checkpoint's architectures and model_type fields against the supported-model table "
         "(`aphrodite plugins --models`, docs/supported-models.md); pick a draft trained for this method, "
         "or update Sonar when the checkpoint needs a newer implementation",
     )

@@ -127,6 +127,46 @@ class AttentionMetadata:
         metadata._derive(query_lens, seq_lens, torch.device(device))
         return metadata
 
+    @classmethod
+    def decode_rows(
+        cls,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        max_seq_len: int,
+    ) -> AttentionMetadata:
+        """Metadata of one new token per sequence at ``positions`` (``[B]`` int64, on the device),
+        built on the device without reading anything back to the host.
+
+        ``block_tables`` ``[B, W]`` must cover every position; ``max_seq_len`` (a host int, at least
+        ``max(positions) + 1``) sizes the context read. Chained draft steps use it: they advance the
+        positions on the device and the host only tracks their maximum.
+        """
+        num_seqs = positions.shape[0]
+        seq_lens = positions + 1
+        blocks = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        num_blocks = -(-max_seq_len // block_size)
+        if num_blocks > block_tables.shape[1]:
+            raise ValueError(
+                f"block tables of {block_tables.shape[1]} blocks of {block_size} cannot hold {max_seq_len} tokens"
+            )
+        key_pos = torch.arange(max_seq_len, device=positions.device)
+        mask = None if num_seqs == 1 else (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
+        return cls(
+            query_start_loc=torch.arange(num_seqs + 1, device=positions.device),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=blocks * block_size + positions % block_size,
+            positions=positions,
+            block_size=block_size,
+            num_seqs=num_seqs,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            context_block_ids=block_tables[:, :num_blocks].reshape(-1),
+            query_pad_index=None,
+            attn_mask=mask,
+        )
+
     def _derive(self, query_lens: list[int], seq_lens: list[int], device: torch.device) -> None:
         num_seqs = len(query_lens)
         max_query_len = max(query_lens)

@@ -62,16 +62,21 @@ def fused_projections(config: DecoderLayerConfig) -> dict[str, tuple[str, int, i
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection, optional per-head q/k norms, RoPE, paged attention, output projection."""
+    """Fused q/k/v projection, optional per-head q/k norms, RoPE, paged attention, output projection.
 
-    def __init__(self, config: DecoderLayerConfig) -> None:
+    ``input_size`` (default: the hidden size) is the width q/k/v read; a draft layer that attends
+    over a concatenation (EAGLE-3's first layer reads embedding and hidden state side by side)
+    sets it, while the output keeps the hidden size.
+    """
+
+    def __init__(self, config: DecoderLayerConfig, input_size: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_heads = config.num_heads + config.num_kv_heads
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_rows, bias=config.qkv_bias)
+        self.qkv_proj = Linear(input_size or config.hidden_size, qkv_rows, bias=config.qkv_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:

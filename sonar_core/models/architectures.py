@@ -55,3 +55,34 @@ class Qwen3ForCausalLM(DecoderOnlyLM):
 
 for _cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
     register_architecture(_cls.__name__, _cls)
+
+# Families by model_type, for configs that describe layers rather than a whole checkpoint (the
+# layer config of a draft head: EAGLE's LlamaConfig, speculators' transformer_layer_config).
+LAYER_FAMILIES: dict[str, type[DecoderOnlyLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def hf_config_from_dict(config: dict[str, Any]) -> Any:
+    """A transformers config object of ``config``'s ``model_type`` (defaults filled the way the
+    family's own checkpoints get them); extra keys stay attributes."""
+    from transformers import AutoConfig
+
+    values = {key: value for key, value in config.items() if key not in ("model_type", "transformers_version")}
+    return AutoConfig.for_model(config.get("model_type", "llama"), **values)
+
+
+def layer_config_for(hf_config: Any) -> DecoderLayerConfig:
+    """The decoder-layer shape a config of a supported family describes (by its model_type).
+
+    Raises ValueError naming the model_type and the supported ones.
+    """
+    family = LAYER_FAMILIES.get(getattr(hf_config, "model_type", ""))
+    if family is None:
+        raise ValueError(
+            f"layers of model_type {getattr(hf_config, 'model_type', None)!r} are not supported "
+            f"(supported: {', '.join(LAYER_FAMILIES)})"
+        )
+    return family.layer_config(hf_config)

@@ -108,20 +108,31 @@ def _resolve(name: str, fused: FusedMap) -> tuple[str, tuple[int, int] | None]:
 
 def expected_checkpoint_names(module: nn.Module, fused: FusedMap) -> set[str]:
     """The checkpoint names that fill every parameter of ``module`` (fused ones split back)."""
-    expected = set()
-    for name in dict(module.named_parameters()):
+    return set(expected_checkpoint_shapes(module, fused))
+
+
+def expected_checkpoint_shapes(module: nn.Module, fused: FusedMap | None = None) -> dict[str, tuple[int, ...]]:
+    """The checkpoint names that fill ``module``'s parameters, with the shape each must have.
+
+    Works on a module built on the meta device, so a configuration check learns a head's exact
+    layout without allocating it.
+    """
+    fused = fused or {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in module.named_parameters():
         param_module, _, leaf = name.rpartition(".")
-        sources = [
-            source
-            for source, (target, _, _) in fused.items()
+        pieces = [
+            (source, start, end)
+            for source, (target, start, end) in fused.items()
             if param_module == target or param_module.endswith("." + target)
         ]
-        if not sources:
-            expected.add(name)
+        if not pieces:
+            shapes[name] = tuple(param.shape)
             continue
-        prefix = param_module[: len(param_module) - len(fused[sources[0]][0])]
-        expected.update(f"{prefix}{source}.{leaf}" for source in sources)
-    return expected
+        prefix = param_module[: len(param_module) - len(fused[pieces[0][0]][0])]
+        for source, start, end in pieces:
+            shapes[f"{prefix}{source}.{leaf}"] = (end - start, *param.shape[1:])
+    return shapes
 
 
 def _listing(names: Iterable[str], limit: int = 20) -> str:

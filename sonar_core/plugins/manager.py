@@ -131,6 +131,13 @@ class SonarPluginManager(pluggy.PluginManager):
             )
         return spec
 
+    def methods_for_draft_architecture(self, architecture: str) -> list[str]:
+        return [
+            spec.name
+            for spec in self.method_registry.methods()
+            if any(entry.architecture == architecture for entry in spec.draft_architectures)
+        ]
+
     def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
         return self.hook.sonar_default_num_speculative_tokens(config=config, target=target)
 

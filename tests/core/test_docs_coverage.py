@@ -39,3 +39,14 @@ def test_every_test_named_in_the_rule_table_exists(path, name):
     source = REPO / path
     assert source.is_file(), path
     assert re.search(rf"^def {name}\(", source.read_text(), re.MULTILINE), f"{path}::{name}"
+
+
+def test_the_supported_model_table_is_generated_from_the_registry():
+    from sonar_core.entrypoints.commands.plugins import supported_models_markdown
+    from sonar_core.plugins import get_plugin_manager
+
+    registry = get_plugin_manager(environ={}).method_registry
+    documented = (REPO / "docs" / "supported-models.md").read_text()
+    assert documented == supported_models_markdown(registry), (
+        "docs/supported-models.md is stale: regenerate it with `aphrodite plugins --models --markdown`"
+    )

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict
 from sonar_core.config import SpeculativeConfig, TargetInfo
 from sonar_core.errors import ConfigError
 from sonar_core.models.loader import load_model, load_tokenizer
-from sonar_core.plugins import MethodRegistry, MethodSpec, hookimpl
+from sonar_core.models.registry import supported_architectures
+from sonar_core.plugins import DraftArchitecture, MethodRegistry, MethodSpec, hookimpl
 from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 from sonar_draft_model.proposer import DraftModelProposer
 from sonar_draft_model.vocab import VocabularyIntersection
@@ -46,6 +47,10 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             create_proposer=create_proposer,
             description="A smaller causal language model drafts autoregressively",
             options_model=DraftModelOptions,
+            draft_architectures=tuple(
+                DraftArchitecture(name, "Hugging Face causal LM (or GGUF)", "any checkpoint Sonar runs as a target")
+                for name in supported_architectures()
+            ),
         )
     )
 

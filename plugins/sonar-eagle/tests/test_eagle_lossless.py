@@ -1,0 +1,123 @@
+"""Greedy output with EAGLE speculation equals plain greedy output, token for token (float32), over
+layouts, batch sizes, depths, chunked prefill, preemption and aborts; nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from aphrodite import LLM, SamplingParams
+from sonar_core.engine.kv_budget import bytes_per_block
+from sonar_core.kv import KVLayerSpec
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+HEADS = {
+    "eagle3-speculators-reduced-vocab": dict(method="eagle3", layout="speculators", draft_vocab_size=128),
+    "eagle3-safeailab": dict(method="eagle3", layout="safeailab"),
+    "eagle1": dict(method="eagle", layout="safeailab"),
+}
+
+
+def _prompts(count: int, seed: int = 11) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 45))] for _ in range(count)]
+
+
+def _generate(target: Path, speculative_config=None, prompts=None, **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model=str(target), dtype="float32", device="cpu", speculative_config=speculative_config, **engine)
+    outputs = llm.generate(prompts if prompts is not None else _prompts(10), GREEDY, use_tqdm=False)
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+@pytest.fixture(scope="module")
+def reference(target: Path) -> list[list[int]]:
+    return _generate(target, max_num_seqs=8)[0]
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize(("batch", "depth"), [(1, 1), (8, 3), (8, 6)])
+def test_greedy_output_equals_plain_output(head, batch, depth, target, make_head, reference):
+    options = HEADS[head]
+    config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": depth}
+    tokens, llm = _generate(target, config, max_num_seqs=batch)
+    assert tokens == reference
+    assert llm.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])
+def test_chunked_prefill_keeps_greedy_output(head, target, make_head, reference):
+    options = HEADS[head]
+    config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3}
+    tokens, _ = _generate(target, config, max_num_seqs=4, max_num_batched_tokens=8)
+    assert tokens == reference
+
+
+def test_preemption_keeps_greedy_output_and_frees_everything(target, make_head, reference):
+    head = make_head(target, **HEADS["eagle3-speculators-reduced-vocab"])
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    # Target (8 layers) and draft (1 layer) KV of 2 heads x 16 dims, fp32, blocks of 4 tokens:
+    # 30 blocks hold about two full requests, so later ones preempt earlier ones.
+    per_block = bytes_per_block([KVLayerSpec(2, 16)] * 9, 4, torch.float32)
+    tokens, llm = _generate(
+        target, config, max_num_seqs=8, block_size=4, max_model_len=96, kv_cache_memory_gb=30 * per_block / 2**30
+    )
+    assert tokens == reference
+    assert llm.engine.num_preemptions > 0
+
+
+def test_aborted_requests_free_their_blocks_and_leave_others_intact(target, make_head, reference):
+    head = make_head(target, **HEADS["eagle3-safeailab"])
+    llm = LLM(model=str(target), dtype="float32", device="cpu",
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    engine = llm.engine
+    prompts = _prompts(10)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    finished: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == 3:
+            for request_id in ids[::3]:
+                engine.abort_request(request_id)
+        for out in engine.step():
+            if out.finished and out.outputs[0].finish_reason != "abort":
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    kept = [i for i in range(len(ids)) if i % 3]
+    assert {ids[i]: reference[i] for i in kept} == finished
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_qwen3_layers_in_a_speculators_head(qwen3_target, make_head):
+    head = make_head(qwen3_target, method="eagle3", layout="speculators", draft_vocab_size=100)
+    plain, _ = _generate(qwen3_target, prompts=_prompts(4))
+    tokens, llm = _generate(qwen3_target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+                            prompts=_prompts(4))
+    assert tokens == plain
+    # The head's layers are Qwen3 layers: per-head q/k norms were loaded.
+    layer = llm.engine.speculator.proposer.head.layers[0]
+    assert layer.self_attn.qk_norm
+
+
+def test_probabilistic_drafting_keeps_greedy_output(target, make_head, reference):
+    head = make_head(target, **HEADS["eagle3-speculators-reduced-vocab"])
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    tokens, llm = _generate(target, config, max_num_seqs=8)
+    assert tokens == reference
+    assert llm.engine.speculator.capabilities.returns_draft_probs
+
+
+def test_the_head_shares_the_targets_modules(target, make_head):
+    head = make_head(target, **HEADS["eagle1"])
+    llm = LLM(model=str(target), dtype="float32", device="cpu",
+              speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
+    model = llm.engine.model
+    eagle = llm.engine.speculator.proposer.head
+    assert eagle._shared.lm_head is model.lm_head
+    assert eagle._shared.embed_tokens is model.model.embed_tokens
+    names = {name for name, _ in eagle.named_parameters()}
+    assert not any(name.startswith(("lm_head", "embed_tokens")) for name in names)

@@ -1,0 +1,166 @@
+"""Autoregressive drafting from the target's hidden states (EAGLE-1, EAGLE-3, MTP).
+
+A :class:`ChainDraftHead` turns ``(token, hidden)`` pairs into a draft hidden state and logits;
+:class:`ChainProposer` drives any such head through one engine step:
+
+1. **First pass**, over every request's new target positions (prefill chunks included): row ``t``
+   pairs the target's state at position ``t`` with the token at ``t + 1`` and sits at RoPE
+   position ``t``, so the token ids are the request's shifted left by one and the newest sampled
+   token (the bonus) fills the last slot. This writes the draft's KV at exactly the positions the
+   target just ran, replacing whatever the previous step's chain left there (the rollback), and
+   leaves no hole however the prompt was chunked.
+2. The first draft comes from each drafting request's last row.
+3. **Chained steps** 2..k: the previous draft token and the head's own output state, one position
+   further, with metadata advanced on the device (:class:`~sonar_core.spec_decode.draft_attention.DraftChain`).
+
+Draft ids stay on the device for the whole chain and are read back once. The proposer keeps no
+per-request state: every step's first pass starts from the target's states, so preemption,
+recomputation and aborts need nothing from it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from sonar_core.kv import KVCache, KVLayerSpec
+from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.spec_decode.draft_attention import DraftChain, first_pass_metadata
+from sonar_core.spec_decode.draft_sampling import DraftSampler
+from sonar_core.spec_decode.proposer import (
+    DraftProposal,
+    ProposalRequest,
+    ProposeBatch,
+    Proposer,
+    ProposerCapabilities,
+    TargetHiddenStates,
+)
+
+
+class ChainDraftHead(nn.Module, ABC):
+    """A draft head that predicts the next token from a token and a hidden state.
+
+    Subclasses set ``target_hidden_layers`` (states in Sonar's index), ``target_final_hidden`` and
+    ``kv_layers`` (one spec per attention layer of the head, in the order it uses ``kv_caches``).
+    """
+
+    target_hidden_layers: tuple[int, ...] = ()
+    target_final_hidden: bool = False
+    kv_layers: tuple[KVLayerSpec, ...] = ()
+
+    @abstractmethod
+    def target_input(self, target: TargetHiddenStates, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, H]``: the hidden input of the first pass for ``rows`` of the step's flat batch."""
+
+    @abstractmethod
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass over ``[R]`` tokens and ``[R, H]`` hidden states at ``positions``.
+
+        Returns ``(out, carry)``: ``out`` feeds :meth:`compute_logits`, ``carry`` is the hidden state
+        the next chained step reads. ``step`` is 0 for the first pass and counts chained steps.
+        """
+
+    @abstractmethod
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """``[R, Vd]`` draft logits (the draft vocabulary; the sampler maps it to the target's)."""
+
+
+class ChainProposer(Proposer):
+    """Drives a :class:`ChainDraftHead` over the engine's steps (see the module docstring)."""
+
+    def __init__(self, head: ChainDraftHead, sampler: DraftSampler, max_depth: int | None = None) -> None:
+        self.head = head
+        self.sampler = sampler
+        self.capabilities = ProposerCapabilities(
+            target_hidden_layers=head.target_hidden_layers,
+            target_final_hidden=head.target_final_hidden,
+            kv_layers=head.kv_layers,
+            returns_draft_probs=sampler.probabilistic,
+            max_depth=max_depth,
+        )
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> DraftProposal:
+        requests = [r for r in batch.requests if r.num_hidden_rows]
+        drafting = [r for r in requests if r.max_draft_tokens > 0]
+        if not requests or batch.target_hidden is None:
+            return DraftProposal([[] for _ in batch.requests])
+        device = batch.device
+        out, carry = self._first_pass(batch, requests)
+        if not drafting:
+            return DraftProposal([[] for _ in batch.requests])
+        ends = torch.tensor([r.num_hidden_rows for r in requests], device=device).cumsum(0) - 1
+        last = ends[torch.tensor([i for i, r in enumerate(requests) if r.max_draft_tokens > 0], device=device)]
+        token_ids, probs = self._chain(batch, drafting, out.index_select(0, last), carry.index_select(0, last))
+        return self._proposal(batch.requests, drafting, token_ids, probs)
+
+    def _first_pass(self, batch: ProposeBatch, requests: list[ProposalRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over every new target position; fills the draft KV of those positions."""
+        metadata = first_pass_metadata(requests, batch.block_size, batch.device)
+        next_tokens = [
+            token for r in requests for token in r.token_ids[r.hidden_start + 1 : r.hidden_start + r.num_hidden_rows + 1]
+        ]
+        token_ids = torch.tensor(next_tokens, dtype=torch.int64, device=batch.device)
+        hidden = self.head.target_input(batch.target_hidden, batch.hidden_row_index(requests))
+        return self.head(token_ids, hidden, metadata.positions, batch.kv_caches, metadata, 0)
+
+    def _chain(
+        self, batch: ProposeBatch, requests: list[ProposalRequest], out: torch.Tensor, carry: torch.Tensor
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Sample the first draft from ``out``, then chain the head; ``[R][k]`` ids and
+        ``[R, k, V]`` probabilities (probabilistic drafting)."""
+        sampling = self.sampler.batch_for(requests)
+        sample = self.sampler.sample(self.head.compute_logits(out), sampling)
+        steps_ids, steps_probs = [sample.token_ids], [sample.probs]
+        depth = max(r.max_draft_tokens for r in requests)
+        if depth > 1:
+            # The newest token sits at position len(token_ids) - 1; draft j (j >= 2) is predicted
+            # from position len(token_ids) + j - 3.
+            chain = DraftChain(
+                [len(r.token_ids) - 1 for r in requests],
+                [len(r.token_ids) + max(r.max_draft_tokens, 2) - 3 for r in requests],
+                [r.block_table for r in requests],
+                batch.block_size,
+                batch.device,
+            )
+            for step in range(1, depth):
+                metadata = chain.metadata()
+                out, carry = self.head(sample.token_ids, carry, chain.positions, batch.kv_caches, metadata, step)
+                sample = self.sampler.sample(self.head.compute_logits(out), sampling)
+                steps_ids.append(sample.token_ids)
+                steps_probs.append(sample.probs)
+                chain.advance()
+        token_ids = torch.stack(steps_ids, dim=1).tolist()
+        probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
+        return token_ids, probs
+
+    @staticmethod
+    def _proposal(
+        all_requests: list[ProposalRequest],
+        drafting: list[ProposalRequest],
+        token_ids: list[list[int]],
+        probs: torch.Tensor | None,
+    ) -> DraftProposal:
+        by_id = {r.request_id: row for row, r in enumerate(drafting)}
+        drafts: list[list[int]] = []
+        prob_rows: list[torch.Tensor] = []
+        for request in all_requests:
+            row = by_id.get(request.request_id)
+            if row is None:
+                drafts.append([])
+                continue
+            count = request.max_draft_tokens
+            drafts.append(token_ids[row][:count])
+            if probs is not None:
+                prob_rows.append(probs[row, :count])
+        return DraftProposal(drafts, torch.cat(prob_rows) if prob_rows else None)

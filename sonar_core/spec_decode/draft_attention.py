@@ -1,0 +1,98 @@
+"""Attention metadata for draft layers in the shared paged cache.
+
+A draft that keeps its own KV (EAGLE, MTP, DFlash context) writes it under the request's block
+table, like the target. Three shapes of draft pass exist:
+
+* the first pass of a step, over each request's new target positions (its prefill chunk, or its
+  newest accepted positions): :func:`first_pass_metadata`, built from host lists once per step.
+  It rewrites the draft KV from the first position whose target state is new, which is the draft's
+  rollback: whatever the previous step's chain left at those positions is overwritten.
+* chained single-token steps 2..k (autoregressive drafters): :class:`DraftChain` keeps positions,
+  slots and lengths on the device and advances them there, so a chain of k steps builds no Python
+  lists and reads nothing back to the host.
+* one non-causal block per request (DFlash, DSpark): :func:`block_metadata`, where every query slot
+  of the block sees the whole context and every slot of its block.
+
+Chained steps only ever write positions from the request's newest token on; those are provisional
+and the next step's first pass rewrites them. A request whose chain is shorter than the batch's keeps
+rewriting its own last provisional position, so it never touches KV another request or its own
+committed context relies on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.spec_decode.proposer import ProposalRequest
+
+
+def first_pass_metadata(
+    requests: list[ProposalRequest], block_size: int, device: torch.device | str | None
+) -> AttentionMetadata:
+    """Causal metadata over each request's hidden rows (positions ``hidden_start`` onwards)."""
+    return AttentionMetadata.build(
+        [r.num_hidden_rows for r in requests],
+        [r.hidden_start + r.num_hidden_rows for r in requests],
+        [r.block_table for r in requests],
+        block_size,
+        torch.device(device or "cpu"),
+    )
+
+
+def block_metadata(
+    starts: list[int], block_len: int, block_tables: list[list[int]], block_size: int, device: torch.device | str
+) -> AttentionMetadata:
+    """Non-causal metadata of one ``block_len`` query block per request at positions
+    ``starts[i] .. starts[i] + block_len - 1``: every slot sees the context and the whole block."""
+    return AttentionMetadata.build(
+        [block_len] * len(starts),
+        [start + block_len for start in starts],
+        block_tables,
+        block_size,
+        torch.device(device),
+        causal=False,
+    )
+
+
+class DraftChain:
+    """Metadata for chained draft steps: one token per request, one position further each step.
+
+    ``first_positions[i]`` is where request ``i``'s first chained token sits (its newest token's
+    position); ``last_positions[i]`` the furthest it may write (its last draft's input position).
+    Positions past that are clamped to it.
+    """
+
+    def __init__(
+        self,
+        first_positions: list[int],
+        last_positions: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        if any(last < first for first, last in zip(first_positions, last_positions, strict=True)):
+            raise ValueError("a chained request's last position precedes its first")
+        width = max(len(table) for table in block_tables)
+        for table, last in zip(block_tables, last_positions, strict=True):
+            if len(table) * block_size <= last:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold position {last}")
+        padded = [list(table) + [0] * (width - len(table)) for table in block_tables]
+        self.block_size = block_size
+        self.block_tables = torch.tensor(padded, dtype=torch.int64).to(device)
+        self.positions = torch.tensor(first_positions, dtype=torch.int64).to(device)
+        self._last = torch.tensor(last_positions, dtype=torch.int64).to(device)
+        # Host copies of the furthest position reached, to size the context read.
+        self._host_positions = list(first_positions)
+        self._host_last = list(last_positions)
+
+    def metadata(self) -> AttentionMetadata:
+        """Metadata of the current step."""
+        return AttentionMetadata.decode_rows(
+            self.positions, self.block_tables, self.block_size, max(self._host_positions) + 1
+        )
+
+    def advance(self) -> None:
+        """Move every request one position on (clamped at its last position)."""
+        self.positions = torch.minimum(self.positions + 1, self._last)
+        self._host_positions = [min(p + 1, last) for p, last in zip(self._host_positions, self._host_last, strict=True)]

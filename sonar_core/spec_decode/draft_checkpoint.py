@@ -1,0 +1,103 @@
+"""A draft checkpoint (EAGLE head, MTP assistant, DFlash block model, ...) as plugins read it.
+
+:meth:`DraftCheckpoint.open` resolves the name the way the target's is resolved (a folder, a
+repository id in the local Hugging Face cache; nothing is downloaded) and reads its config and its
+tensors' names and shapes from the file headers, without loading weights. Configuration checks
+compare that layout with what the method's head expects (:meth:`check_layout`), so a missing,
+unexpected or misshapen tensor fails at ``--check-config`` with every problem listed, and a
+checkpoint that passed loads whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sonar_core.errors import ConfigError
+from sonar_core.model_files import resolve_model_path
+from sonar_core.models.weights import CheckpointError, checkpoint_shapes, iter_checkpoint
+from sonar_core.spec_decode.speculators_format import SpeculatorsConfig
+
+FIELD = "speculative_config.model"
+_LISTED = 12
+
+
+@dataclass
+class DraftCheckpoint:
+    """A draft checkpoint's folder, config and tensor layout."""
+
+    name: str
+    path: Path
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    speculators: SpeculatorsConfig | None = field(default=None)
+
+    @classmethod
+    def open(cls, model: str) -> DraftCheckpoint:
+        """Read ``model``'s config.json and tensor headers; a ConfigError on ``speculative_config.model``
+        when the folder, its config or its weights cannot be read."""
+        try:
+            path = Path(resolve_model_path(model))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(FIELD, str(exc), "pass the draft checkpoint's local folder") from None
+        if path.is_file() or not (path / "config.json").is_file():
+            raise ConfigError(
+                FIELD, f"{str(path)!r} is not a folder with config.json", "pass the draft checkpoint's folder"
+            )
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(FIELD, f"{path / 'config.json'} cannot be read ({exc})", "repair the file") from None
+        try:
+            shapes = checkpoint_shapes(path)
+        except (CheckpointError, OSError, RuntimeError) as exc:
+            raise ConfigError(FIELD, f"the weights of {path} cannot be read: {exc}", "repair or re-export the checkpoint") from None
+        return cls(model, path, config, shapes, SpeculatorsConfig.from_config(config))
+
+    def describe(self) -> str:
+        return f"the draft checkpoint {str(self.path)!r}"
+
+    def check_layout(
+        self,
+        expected: Mapping[str, tuple[int, ...]],
+        rename: Callable[[str], str] = lambda name: name,
+        optional: frozenset[str] = frozenset(),
+        ignored: Callable[[str], bool] = lambda name: False,
+    ) -> None:
+        """Compare the checkpoint's tensors (names after ``rename``) with ``expected`` shapes.
+
+        ``optional`` names may be absent; ``ignored`` names may be present and are not loaded
+        (training-only tensors). Raises one ConfigError listing every missing, unexpected and
+        misshapen tensor.
+        """
+        found = {rename(name): shape for name, shape in self.shapes.items() if not ignored(name)}
+        missing = sorted(set(expected) - set(found) - optional)
+        unexpected = sorted(set(found) - set(expected))
+        misshapen = [
+            f"{name} {list(found[name])} (expected {list(expected[name])})"
+            for name in sorted(set(found) & set(expected))
+            if tuple(found[name]) != tuple(expected[name])
+        ]
+        problems = []
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", misshapen)):
+            if names:
+                shown = ", ".join(names[:_LISTED]) + (f", ... ({len(names) - _LISTED} more)" if len(names) > _LISTED else "")
+                problems.append(f"{label} ({len(names)}): {shown}")
+        if problems:
+            raise ConfigError(
+                FIELD,
+                f"{self.describe()} does not match the layout its config describes: " + "; ".join(problems),
+                "use a checkpoint written in a published layout for this method (see docs/hidden-states.md), "
+                "or re-export it; a config that does not belong to its weights is the usual cause",
+            )
+
+    def tensors(self, rename: Callable[[str], str] = lambda name: name, include: Callable[[str], bool] | None = None,
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(renamed name, tensor)`` pairs (CPU tensors)."""
+        for name, tensor in iter_checkpoint(self.path, include=include):
+            yield rename(name), tensor

@@ -1,0 +1,187 @@
+"""Random EAGLE heads for a target checkpoint, written in the published layouts.
+
+Names, shapes and config keys follow the layouts as published (SafeAILab's EAGLE-1 and EAGLE-3
+repositories, vllm-project/speculators), independently of Sonar's loader, so that a test of the
+loader against these files checks it against the formats and not against itself::
+
+    from sonar_core.testing.eagle_heads import build_eagle_head
+
+    head = build_eagle_head(target_dir, tmp_path / "head", method="eagle3", layout="speculators",
+                            draft_vocab_size=128)
+
+The weights are random (``init_std`` like the tiny targets' weights, so that draft logits are
+peaked); such heads draft tokens the target rarely accepts, which is what losslessness tests need.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save_file
+
+Layout = Literal["safeailab", "speculators"]
+
+
+def build_eagle_head(
+    target_dir: Path,
+    out_dir: Path,
+    *,
+    method: Literal["eagle", "eagle3"] = "eagle3",
+    layout: Layout = "speculators",
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    aux_layers: list[int] | None = None,
+    include_embedding: bool = False,
+    fc_bias: bool = True,
+    norm_before_residual: bool = False,
+    norm_output: bool = False,
+    norm_before_fc: bool = False,
+    fc_norm: bool = False,
+    trained_depth: int = 3,
+    verifier: str | None = None,
+    init_std: float = 0.3,
+    seed: int = 0,
+) -> Path:
+    """Write a random ``method`` head for the target in ``target_dir`` to ``out_dir``; returns it.
+
+    ``method="eagle"`` writes SafeAILab's EAGLE-1 layout (``fc`` with a bias unless ``fc_bias`` is
+    False; the first layer has no input norm). ``method="eagle3"`` writes SafeAILab's
+    (``midlayer.*``) or speculators' (``layers.0.*``, ``transformer_layer_config``) layout.
+    ``draft_vocab_size`` below the target's writes ``d2t``/``t2d`` for a random sorted subset of
+    the target vocabulary. ``aux_layers`` (vLLM capture ids) default to EAGLE-3's (2, L/2, L-3)
+    and are written to the config only in the speculators layout, unless given explicitly.
+    """
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    target = json.loads((target_dir / "config.json").read_text())
+    hidden = target["hidden_size"]
+    vocab = target["vocab_size"]
+    num_target_layers = target["num_hidden_layers"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * init_std
+
+    layer_config = {
+        key: value
+        for key, value in target.items()
+        if key not in ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "tie_word_embeddings")
+    }
+    layer_config.update(num_hidden_layers=num_layers, tie_word_embeddings=False)
+    if layer_config.get("layer_types"):
+        layer_config["layer_types"] = layer_config["layer_types"][:num_layers]
+    tensors: dict[str, torch.Tensor] = {}
+    if method == "eagle":
+        tensors["fc.weight"] = random(hidden, 2 * hidden)
+        if fc_bias:
+            tensors["fc.bias"] = random(hidden)
+        for index in range(num_layers):
+            tensors.update(_layer(f"layers.{index}.", layer_config, hidden, random, input_norm=index > 0))
+    else:
+        first = "midlayer." if layout == "safeailab" else "layers.0."
+        tensors.update(_layer(first, layer_config, 2 * hidden, random, input_norm=True))
+        tensors[first + "hidden_norm.weight"] = 1.0 + random(hidden) * 0.1
+        for index in range(1, num_layers):
+            tensors.update(_layer(f"layers.{index}.", layer_config, hidden, random, input_norm=True))
+        aux = aux_layers or [2, num_target_layers // 2, num_target_layers - 3]
+        tensors["fc.weight"] = random(hidden, len(aux) * hidden)
+        if norm_before_fc:
+            tensors["input_norm.weight"] = 1.0 + random(len(aux) * hidden) * 0.1
+        if fc_norm:
+            for j in range(len(aux)):
+                tensors[f"fc_norm.{j}.weight"] = 1.0 + random(hidden) * 0.1
+        tensors["norm.weight"] = 1.0 + random(hidden) * 0.1
+        draft_vocab = draft_vocab_size or vocab
+        tensors["lm_head.weight"] = random(draft_vocab, hidden)
+        if draft_vocab < vocab:
+            used = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+            tensors["d2t"] = used - torch.arange(draft_vocab)
+            t2d = torch.zeros(vocab, dtype=torch.bool)
+            t2d[used] = True
+            tensors["t2d"] = t2d
+    if include_embedding:
+        tensors["embed_tokens.weight"] = random(vocab, hidden)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = _config(
+        method, layout, layer_config, target, draft_vocab_size or vocab, aux_layers,
+        dict(fc_bias=fc_bias, norm_before_residual=norm_before_residual, norm_output=norm_output,
+             norm_before_fc=norm_before_fc, fc_norm=fc_norm),
+        trained_depth, verifier or str(target_dir),
+    )
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def _layer(prefix: str, config: dict[str, Any], input_size: int, random: Any, input_norm: bool) -> dict[str, torch.Tensor]:
+    """One Llama-family decoder layer in Hugging Face names (q/k/v read ``input_size`` values)."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    qkv_bias = config.get("model_type") == "qwen2" or bool(config.get("attention_bias"))
+    tensors = {
+        f"{prefix}self_attn.q_proj.weight": random(heads * head_dim, input_size),
+        f"{prefix}self_attn.k_proj.weight": random(kv_heads * head_dim, input_size),
+        f"{prefix}self_attn.v_proj.weight": random(kv_heads * head_dim, input_size),
+        f"{prefix}self_attn.o_proj.weight": random(hidden, heads * head_dim),
+        f"{prefix}mlp.gate_proj.weight": random(inter, hidden),
+        f"{prefix}mlp.up_proj.weight": random(inter, hidden),
+        f"{prefix}mlp.down_proj.weight": random(hidden, inter),
+        f"{prefix}post_attention_layernorm.weight": 1.0 + random(hidden) * 0.1,
+    }
+    if input_norm:
+        tensors[f"{prefix}input_layernorm.weight"] = 1.0 + random(hidden) * 0.1
+    if qkv_bias:
+        for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            tensors[f"{prefix}self_attn.{name}_proj.bias"] = random(rows * head_dim)
+    if config.get("model_type") == "qwen3":
+        tensors[f"{prefix}self_attn.q_norm.weight"] = 1.0 + random(head_dim) * 0.1
+        tensors[f"{prefix}self_attn.k_norm.weight"] = 1.0 + random(head_dim) * 0.1
+    return tensors
+
+
+def _config(
+    method: str,
+    layout: Layout,
+    layer_config: dict[str, Any],
+    target: dict[str, Any],
+    draft_vocab_size: int,
+    aux_layers: list[int] | None,
+    switches: dict[str, bool],
+    trained_depth: int,
+    verifier: str,
+) -> dict[str, Any]:
+    if method == "eagle":
+        return {**layer_config, "architectures": ["LlamaForCausalLM"], "bias": switches["fc_bias"]}
+    if layout == "safeailab":
+        config = {**layer_config, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab_size}
+        if aux_layers is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = aux_layers
+        return config
+    num_target_layers = target["num_hidden_layers"]
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": draft_vocab_size,
+        "norm_before_residual": switches["norm_before_residual"],
+        "norm_output": switches["norm_output"],
+        "norm_before_fc": switches["norm_before_fc"],
+        "fc_norm": switches["fc_norm"],
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": aux_layers or [2, num_target_layers // 2, num_target_layers - 3],
+        "speculators_version": "0.3.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": trained_depth, "verifier_accept_k": 1,
+                 "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(target.get("architectures") or [])},
+        },
+    }
