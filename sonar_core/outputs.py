@@ -61,3 +61,6 @@ class RequestOutput:
     # Text and token ids produced by the latest step only, for streaming.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Set when the request failed at its end although its tokens are complete (its hidden-state
+    # export could not be written): the server answers with an error instead of the output.
+    error: str | None = None

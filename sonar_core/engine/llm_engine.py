@@ -200,7 +200,11 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of requests that emitted text or finished."""
+        """Run one engine step; return the outputs of requests that emitted text or finished.
+
+        Requests that finish this step are released only after the proposer has seen the step,
+        so that it receives their last target states (an exporter writes them out).
+        """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -210,11 +214,17 @@ class LLMEngine:
                 item.seq.metrics.first_scheduled_time = now
         run = self.runner.execute(sched)
         result = self.verifier(run, sched.scheduled)
-        outputs = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
+        updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
         num_drafted = self._propose(sched, run, result.num_accepted)
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_tokens, num_drafted, time.monotonic() - now)
-        return outputs
+        finished_at = time.monotonic()
+        for seq, _, _ in updates:
+            if seq.finish_reason is not None:
+                self._requests.pop(seq.request_id, None)
+                self._release(seq)
+                seq.metrics.finished_time = finished_at
+        return [self._output(seq, kept, delta) for seq, kept, delta in updates]
 
     def _update(
         self,
@@ -222,9 +232,10 @@ class LLMEngine:
         emitted: list[list[int]],
         num_accepted: list[int],
         logprobs: list[list[float] | None],
-    ) -> list[RequestOutput]:
+    ) -> list[tuple[Sequence, list[int], str]]:
+        """Apply the step's tokens; per request that sampled: (request, tokens kept, text delta)."""
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        updates: list[tuple[Sequence, list[int], str]] = []
         for item, tokens, accepted, token_logprobs in zip(
             sched.scheduled, emitted, num_accepted, logprobs, strict=True
         ):
@@ -243,12 +254,8 @@ class LLMEngine:
             if token_logprobs is not None:
                 seq.output_logprobs.extend(token_logprobs[: len(kept)])
             self._record_timing(seq, len(kept), now)
-            if seq.finish_reason is not None:
-                self._requests.pop(seq.request_id, None)
-                self._release(seq)
-                seq.metrics.finished_time = now
-            outputs.append(self._output(seq, kept, seq.detokenizer.text[before_text:]))
-        return outputs
+            updates.append((seq, kept, seq.detokenizer.text[before_text:]))
+        return updates
 
     @staticmethod
     def _record_timing(seq: Sequence, num_tokens: int, now: float) -> None:
@@ -275,17 +282,21 @@ class LLMEngine:
         for item, accepted, rows, start in zip(
             sched.scheduled, num_accepted, run.query_rows, run.start_positions, strict=True
         ):
-            if item.seq.is_finished:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
                 continue
-            valid = item.num_new_tokens + accepted
-            budget = self.speculator.draft_budget(item.seq, self.max_model_len) if item.samples else 0
+            finished = seq.finish_reason is not None
+            # A stop inside the accepted drafts ends the request before them: its rows end there too.
+            valid = min(item.num_new_tokens + accepted, seq.num_tokens - 1 - start)
+            budget = self.speculator.draft_budget(seq, self.max_model_len) if item.samples and not finished else 0
             items.append(
                 ProposeItem(
-                    seq=item.seq,
+                    seq=seq,
                     budget=budget,
                     hidden_rows=slice(rows.start, rows.start + valid),
                     hidden_start=start,
                     partial_prefill=not item.samples,
+                    finished=finished,
                 )
             )
         if not items:
@@ -313,13 +324,16 @@ class LLMEngine:
             metrics=seq.metrics,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),
+            error=seq.error,
         )
 
     # -------------------------------------------------------------------------------- lifecycle
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         if self.speculator is not None:
-            self.speculator.release(seq)
+            seq.error = self.speculator.release(seq)
+            if seq.error is not None:
+                logger.error("request %s failed: %s", seq.request_id, seq.error)
 
     def _on_preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -47,6 +47,9 @@ class Sequence:
     # Tokens appended since the proposer last saw this request (it catches up over them).
     num_unproposed_tokens: int = 0
     finish_reason: str | None = None
+    # Why the request failed although its tokens are complete (a proposer could not finish its work
+    # for it, e.g. write its hidden-state export); None when it did not fail.
+    error: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
 

@@ -9,7 +9,13 @@ import torch
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
-from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer, TargetHiddenStates
+from sonar_core.spec_decode.proposer import (
+    ProposalRequest,
+    ProposeBatch,
+    Proposer,
+    ProposerRequestError,
+    TargetHiddenStates,
+)
 
 
 @dataclass
@@ -23,6 +29,8 @@ class ProposeItem:
     hidden_rows: slice
     hidden_start: int
     partial_prefill: bool
+    # The request ended this step (a stop or its length): these are its last rows.
+    finished: bool = False
 
 
 class Speculator:
@@ -88,7 +96,7 @@ class Speculator:
         """
         budgets = [item.budget for item in items]
         if self.depth is not None:
-            drafting = [i for i, item in enumerate(items) if not item.partial_prefill]
+            drafting = [i for i, item in enumerate(items) if not item.partial_prefill and not item.finished]
             chosen = self.depth.choose([items[i].seq.request_id for i in drafting], [budgets[i] for i in drafting])
             for i, budget in zip(drafting, chosen, strict=True):
                 budgets[i] = budget
@@ -109,6 +117,7 @@ class Speculator:
                     hidden_rows=item.hidden_rows,
                     hidden_start=item.hidden_start,
                     is_partial_prefill=item.partial_prefill,
+                    is_finished=item.finished,
                     params=seq.params,
                     generator=seq.generator,
                 )
@@ -143,19 +152,25 @@ class Speculator:
         if self.depth is not None:
             self.depth.observe_step(num_target_tokens, num_drafted, seconds)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> str | None:
         """Forget a request that finished, was aborted or preempted.
 
         Only a request that ended normally (stop or length) counts as complete output; aborted and
         preempted ones are discarded, so that proposers learning across requests keep nothing of them.
+        Returns the proposer's error for this request when it could not finish its work for it.
         """
         if self.depth is not None:
             self.depth.forget(seq.request_id)
         if seq.request_id not in self._known:
-            return
+            return None
         self._known.discard(seq.request_id)
-        if seq.finish_reason in ("stop", "length"):
-            self.proposer.finish_request(seq.request_id, seq.all_token_ids)
-            self.proposer.remove_request(seq.request_id)
-        else:
+        if seq.finish_reason not in ("stop", "length"):
             self.proposer.discard_request(seq.request_id)
+            return None
+        try:
+            self.proposer.finish_request(seq.request_id, seq.all_token_ids)
+        except ProposerRequestError as exc:
+            self.proposer.discard_request(seq.request_id)
+            return str(exc)
+        self.proposer.remove_request(seq.request_id)
+        return None

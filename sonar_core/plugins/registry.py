@@ -94,7 +94,7 @@ SONAR_METHOD_PACKAGES: Mapping[str, str] = MappingProxyType(
         "dflash": "sonar-dflash",
         "eagle": "sonar-eagle",
         "eagle3": "sonar-eagle",
-        "extract_hidden_states": "sonar-eagle",
+        "extract_hidden_states": "sonar-extract-hidden-states",
         "draft_model": "sonar-draft-model",
         "mlp_speculator": "sonar-mlp-speculator",
         "medusa": "sonar-medusa",

@@ -91,7 +91,8 @@ class ChainProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        requests = [r for r in batch.requests if r.num_hidden_rows]
+        # A request that ended this step needs no draft KV any more.
+        requests = [r for r in batch.requests if r.num_hidden_rows and not r.is_finished]
         drafting = [r for r in requests if r.max_draft_tokens > 0]
         if not requests or batch.target_hidden is None:
             return DraftProposal([[] for _ in batch.requests])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sonar_core.errors import SonarError
 from sonar_core.kv import KVLayerSpec
 
 if TYPE_CHECKING:
@@ -124,6 +125,9 @@ class ProposalRequest:
     # True for a chunk in the middle of a long prompt: the target has not reached the prompt's
     # end, nothing was sampled and nothing may be drafted.
     is_partial_prefill: bool = False
+    # True when the request ended this step (a stop or its length): its last hidden rows are here
+    # for proposers that keep them (an exporter); nothing is drafted, finish_request follows.
+    is_finished: bool = False
     # The request's sampling parameters, for proposers that draft at the request's temperature.
     params: SamplingParams | None = None
     # The request's random generator when it is seeded (probabilistic drafting stays reproducible).
@@ -192,6 +196,14 @@ class ProposerContext:
     max_num_seqs: int = 0
 
 
+class ProposerRequestError(SonarError):
+    """A proposer could not finish its work for one request (an export it could not write).
+
+    Raised from :meth:`Proposer.finish_request`; that request fails with this message (HTTP 500 on
+    the server, ``RequestOutput.error`` offline) and every other request goes on.
+    """
+
+
 class Proposer(ABC):
     """A speculation method's drafting logic. Subclasses set ``capabilities``."""
 
@@ -210,7 +222,9 @@ class Proposer(ABC):
 
         The tokens of a request's last step never reach :meth:`propose` (nothing is drafted after
         the end), so proposers that learn from finished outputs (suffix decoding) take them here.
-        Default: nothing to learn.
+        Raise :class:`ProposerRequestError` when the request's own work cannot be completed (its
+        export could not be written): the request fails, the others are unaffected. Default:
+        nothing to learn.
         """
 
     def remove_request(self, request_id: str) -> None:  # noqa: B027

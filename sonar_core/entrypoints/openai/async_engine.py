@@ -69,6 +69,10 @@ class EngineStepError(RuntimeError):
     """An engine step failed while this request was in the batch (HTTP 500)."""
 
 
+class RequestFailedError(EngineStepError):
+    """This request alone failed at its end (HTTP 500); the engine and other requests go on."""
+
+
 class _Sink:
     """Carries one request's outputs (or the error that ended it) into its event loop."""
 
@@ -297,6 +301,9 @@ class AsyncEngine:
                 continue  # aborted by its client while the step ran
             if output.finished:
                 del self._sinks[output.request_id]
+            if output.error is not None:
+                self._deliver(sink, RequestFailedError(f"this request failed: {output.error}"))
+                continue
             if not self._deliver(sink, output) and not output.finished:
                 self._abort(output.request_id, None)
         self._recorder.observe_engine(self._state())
