@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sonar_core.layers.attention import AttentionMetadata
-from sonar_core.sample.processing import processed_probs
-from sonar_core.sample.sampler import SamplingBatch
-from sonar_core.sampling_params import SamplingParams
+from sonar_core.sample.processing import SamplingBatch
+from sonar_core.spec_decode.draft_attention import DraftChain
+from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
 from sonar_core.spec_decode.proposer import (
     DraftProposal,
     ProposalRequest,
@@ -17,9 +17,8 @@ from sonar_core.spec_decode.proposer import (
     Proposer,
     ProposerCapabilities,
 )
+from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 from sonar_draft_model.vocab import VocabularyIntersection
-
-_GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -36,7 +35,8 @@ class DraftModelProposer(Proposer):
 
     The draft's KV layers share every request's block table with the target, so they are
     allocated, preempted and freed with the request. Positions of rejected drafts are rewritten on
-    the next call, which is the draft's rollback; accepted drafts keep their KV.
+    the next call, which is the draft's rollback; accepted drafts keep their KV. The k-1 chained
+    steps advance their attention metadata on the device and read the drafts back once.
     """
 
     def __init__(
@@ -48,8 +48,14 @@ class DraftModelProposer(Proposer):
     ) -> None:
         self.model = model
         self.device = device
-        self.probabilistic = probabilistic
         self.vocab = vocab
+        # A draft of another vocabulary drafts greedily through the shared tokens (its own path);
+        # one of the target's vocabulary uses core's sampler.
+        self.sampler = (
+            None
+            if vocab is not None
+            else DraftSampler(DraftVocabularyMap.identity(model.hf_config.vocab_size, device), probabilistic, device)
+        )
         self.capabilities = ProposerCapabilities(
             kv_layers=tuple(model.kv_cache_specs()), returns_draft_probs=probabilistic
         )
@@ -63,34 +69,62 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        active = [i for i, r in enumerate(batch.requests) if r.max_draft_tokens > 0]
-        drafts: list[list[int]] = [[] for _ in batch.requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in batch.requests]
-        if not active:
-            return DraftProposal(drafts, self._stack(drafts, probs))
-        requests = [batch.requests[i] for i in active]
+        requests = [r for r in batch.requests if r.max_draft_tokens > 0]
+        if not requests:
+            return DraftProposal([[] for _ in batch.requests])
         # First pass: catch the draft's KV up over tokens it has not seen, then draft one token.
         chunks = [r.token_ids[self._reusable_prefix(r) :] for r in requests]
-        logits = self._forward(batch, requests, chunks)
-        for step in range(max(r.max_draft_tokens for r in requests)):
-            if step > 0:
-                live = [j for j, r in enumerate(requests) if r.max_draft_tokens > step]
-                feed = [[drafts[active[j]][-1]] for j in live]
-                logits = self._forward(batch, [requests[j] for j in live], feed, offset=step)
-                rows = live
-            else:
-                rows = list(range(len(requests)))
-            tokens, token_probs = self._pick(logits, [requests[j] for j in rows])
-            for row, j in enumerate(rows):
-                drafts[active[j]].append(tokens[row])
-                if token_probs is not None:
-                    probs[active[j]].append(token_probs[row])
-        for j, r in enumerate(requests):
-            state = self._states[r.request_id]
-            state.committed = len(r.token_ids)
-            state.last_drafts = drafts[active[j]]
-            state.last_length = len(r.token_ids)
-        return DraftProposal(drafts, self._stack(drafts, probs))
+        sampling = self.sampler.batch_for(requests) if self.sampler is not None else None
+        draft_ids, sample = self._pick(self._first_pass(batch, requests, chunks), sampling)
+        steps_ids, steps_probs = [sample.token_ids], [sample.probs]
+        depth = max(r.max_draft_tokens for r in requests)
+        if depth > 1:
+            # Draft j (j >= 2) is read at position len(token_ids) + j - 2; a request whose chain is
+            # shorter than the batch's rewrites one position past its last draft, which no later
+            # step reuses.
+            chain = DraftChain(
+                [len(r.token_ids) for r in requests],
+                [len(r.token_ids) + r.max_draft_tokens - 1 for r in requests],
+                [r.block_table for r in requests],
+                batch.block_size,
+                self.device,
+            )
+            for _ in range(1, depth):
+                metadata = chain.metadata()
+                hidden = self.model(draft_ids, chain.positions, batch.kv_caches, metadata)
+                draft_ids, sample = self._pick(self._masked(self.model.compute_logits(hidden)), sampling)
+                steps_ids.append(sample.token_ids)
+                steps_probs.append(sample.probs)
+                chain.advance()
+        token_rows = torch.stack(steps_ids, dim=1).tolist()
+        probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
+        return self._proposal(batch.requests, requests, token_rows, probs)
+
+    def _proposal(
+        self,
+        all_requests: list[ProposalRequest],
+        drafting: list[ProposalRequest],
+        token_rows: list[list[int]],
+        probs: torch.Tensor | None,
+    ) -> DraftProposal:
+        """Cut each drafting request's chain to its budget and remember it for the next catch-up."""
+        by_id = {r.request_id: row for row, r in enumerate(drafting)}
+        drafts: list[list[int]] = []
+        prob_rows: list[torch.Tensor] = []
+        for request in all_requests:
+            row = by_id.get(request.request_id)
+            if row is None:
+                drafts.append([])
+                continue
+            tokens = token_rows[row][: request.max_draft_tokens]
+            drafts.append(tokens)
+            if probs is not None:
+                prob_rows.append(probs[row, : len(tokens)])
+            state = self._states[request.request_id]
+            state.committed = len(request.token_ids)
+            state.last_drafts = tokens
+            state.last_length = len(request.token_ids)
+        return DraftProposal(drafts, torch.cat(prob_rows) if prob_rows else None)
 
     def _reusable_prefix(self, request: ProposalRequest) -> int:
         """Positions whose draft KV is still valid: committed ones plus accepted earlier drafts.
@@ -107,66 +141,38 @@ class DraftModelProposer(Proposer):
             reusable = position + 1
         return min(reusable, len(tokens) - 1)
 
-    def _forward(
-        self,
-        batch: ProposeBatch,
-        requests: list[ProposalRequest],
-        chunks: list[list[int]],
-        offset: int = 0,
+    def _first_pass(
+        self, batch: ProposeBatch, requests: list[ProposalRequest], chunks: list[list[int]]
     ) -> torch.Tensor:
-        """Run the draft over one chunk per request, ending at position len(token_ids)-1+offset.
+        """Run the draft over one chunk per request, ending at each request's newest token.
 
         Returns the draft logits of each chunk's last token.
         """
-        seq_lens = [len(r.token_ids) + offset for r in requests]
         query_lens = [len(c) for c in chunks]
         metadata = AttentionMetadata.build(
-            query_lens, seq_lens, [r.block_table for r in requests], batch.block_size, self.device
+            query_lens, [len(r.token_ids) for r in requests], [r.block_table for r in requests], batch.block_size,
+            self.device,
         )
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         if self.vocab is not None:
             ids = self.vocab.to_draft(ids)
         hidden = self.model(ids, metadata.positions, batch.kv_caches, metadata)
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        if self.vocab is not None:
-            logits = self.vocab.mask_logits(logits)
-        return logits
+        return self._masked(self.model.compute_logits(hidden.index_select(0, last)))
 
-    def _pick(
-        self, logits: torch.Tensor, requests: list[ProposalRequest]
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Greedy argmax, or a sample from the draft distribution shaped like the target's.
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.vocab.mask_logits(logits) if self.vocab is not None else logits
 
-        Probabilistic drafts use the request's own temperature/top-k/top-p/min-p, so a draft that
-        equals the target proposes from exactly the distribution the target verifies against.
-        Greedy requests draft their argmax with a one-hot probability.
+    def _pick(self, logits: torch.Tensor, sampling: SamplingBatch | None) -> tuple[torch.Tensor, DraftSample]:
+        """(the draft's own ids, fed to the next step; the sample in target ids).
+
+        A draft of another vocabulary drafts greedily through the shared tokens; otherwise core's
+        draft sampler drafts greedily or from the draft distribution shaped like the target's (the
+        request's temperature, top-k, top-p, min-p and seed), so a draft that equals the target
+        proposes from exactly the distribution the target verifies against.
         """
-        greedy = logits.argmax(dim=-1)
-        if not self.probabilistic:
-            return self._to_target(greedy), None
-        params = [self._draft_params(r) for r in requests]
-        sampling = SamplingBatch.from_params(params, [r.generator for r in requests], self.device)
-        probs = processed_probs(logits.float(), sampling)
-        tokens = greedy.clone()
-        for row, (p, request) in enumerate(zip(params, requests, strict=True)):
-            if p.is_greedy:
-                probs[row] = torch.nn.functional.one_hot(greedy[row], probs.shape[-1]).to(probs.dtype)
-            else:
-                tokens[row] = torch.multinomial(probs[row], 1, generator=request.generator).squeeze(0)
-        return self._to_target(tokens), probs
-
-    def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
-        if self.vocab is not None:
-            draft_ids = self.vocab.to_target(draft_ids)
-        return draft_ids.tolist()
-
-    def _draft_params(self, request: ProposalRequest) -> SamplingParams:
-        return request.params if request.params is not None else _GREEDY
-
-    @staticmethod
-    def _stack(drafts: list[list[int]], probs: list[list[torch.Tensor]]) -> torch.Tensor | None:
-        rows = [p for per_request in probs for p in per_request]
-        if not rows:
-            return None
-        return torch.stack(rows)
+        if self.sampler is None:
+            draft_ids = logits.argmax(dim=-1)
+            return draft_ids, DraftSample(self.vocab.to_target(draft_ids), None)
+        sample = self.sampler.sample(logits, sampling)
+        return sample.token_ids, sample
