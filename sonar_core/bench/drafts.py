@@ -1,8 +1,11 @@
-"""Same-vocabulary draft checkpoints for benchmarks: the target's first N decoder layers.
+"""Draft checkpoints for benchmarks, built once per target under ``$SONAR_CACHE_DIR/bench``.
 
-No packaged model shares SmolLM2's vocabulary, so a layer-truncated copy of the target is the
-draft the draft-model rows use (Sonar's ``draft_model`` and transformers' ``assistant_model``
-alike). It is built once per target and depth under ``$SONAR_CACHE_DIR/bench/drafts``.
+- Truncated drafts: no packaged model shares SmolLM2's vocabulary, so a layer-truncated copy of
+  the target is the draft the draft-model rows use (Sonar's ``draft_model`` and transformers'
+  ``assistant_model`` alike).
+- Random EAGLE heads: a head of the published layout with random weights. Its acceptance means
+  nothing, but its cost per draft step is that of a trained head of the same shape, which is what
+  the ``draft cost`` column measures before a trained head exists.
 """
 
 from __future__ import annotations
@@ -24,6 +27,30 @@ def truncated_draft(target_dir: Path, num_layers: int, root: Path | None = None)
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         build_truncated_draft(Path(target_dir), partial, num_layers)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return folder
+
+
+def random_eagle_head(
+    target_dir: Path, method: str, draft_vocab_size: int, verifier: str, root: Path | None = None
+) -> Path:
+    """A one-layer random head for ``target_dir``: EAGLE-1 (SafeAILab layout) for ``eagle``, EAGLE-3
+    (speculators layout, ``draft_vocab_size`` tokens, naming ``verifier``) for ``eagle3``; built if
+    missing."""
+    from sonar_core.testing.eagle_heads import build_eagle_head
+
+    root = root if root is not None else cache_root() / "bench" / "heads"
+    suffix = f"-v{draft_vocab_size}" if method == "eagle3" else ""
+    folder = root / Path(target_dir).name / f"random-{method}{suffix}"
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        if method == "eagle3":
+            build_eagle_head(Path(target_dir), partial, method="eagle3", layout="speculators",
+                             draft_vocab_size=draft_vocab_size, init_std=0.02, verifier=verifier)
+        else:
+            build_eagle_head(Path(target_dir), partial, method="eagle", layout="safeailab", init_std=0.02)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
     return folder

@@ -81,6 +81,8 @@ class RowFigures:
     kv_cache_bytes: int | None
     peak_device_bytes: int | None
     acceptance: Acceptance | None
+    # Time in the proposer as a fraction of time in the target's forward (Sonar's speculative rows).
+    draft_cost: float | None = None
     # Filled by compare(): against the same engine's plain row, and against Sonar's plain row.
     speedup: float | None = None
     vs_sonar: float | None = None
@@ -124,6 +126,11 @@ def row_figures(result: RunResult) -> RowFigures:
         kv_cache_bytes=result.kv_cache_bytes,
         peak_device_bytes=result.peak_device_bytes,
         acceptance=Acceptance.of(result.spec) if result.spec is not None else None,
+        draft_cost=(
+            result.propose_seconds / result.target_seconds
+            if result.propose_seconds is not None and result.target_seconds
+            else None
+        ),
         notes=list(result.notes),
     )
 

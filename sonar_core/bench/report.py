@@ -17,7 +17,7 @@ from sonar_core.bench.results import RowResult
 MIB = 1 << 20
 COLUMNS = (
     "row", "precision", "conc", "TTFT ms p50/p90", "ITL ms p50/p90", "E2E s p50/p90", "req/s", "tok/s",
-    "speedup", "vs Sonar", "peak RSS MiB", "KV MiB", "accept len", "tok/step", "accept by position",
+    "speedup", "vs Sonar", "peak RSS MiB", "KV MiB", "accept len", "tok/step", "accept by position", "draft cost",
     "= plain", "= Sonar", "other CPU",
 )
 
@@ -98,6 +98,7 @@ def row_cells(item: RowResult) -> list[str]:
         _num(acceptance.mean_acceptance_length) if acceptance else "–",
         _num(figures.tokens_per_step),
         " ".join(f"{rate:.2f}" for rate in acceptance.per_position) if acceptance else "–",
+        _percent(figures.draft_cost),
         _percent(figures.match_plain),
         _percent(figures.match_sonar),
         _num(item.other_cpu, 1),

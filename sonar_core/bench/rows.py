@@ -7,6 +7,7 @@ Peers are named on the command line as ``ENGINE[:MODE][=JSON]``: ``hf``, ``hf:pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ DEFAULT_PEER_DRAFT_TOKENS = 4
 # Methods (Sonar's and peers') whose draft is a separate checkpoint; ``--truncated-draft`` fills in
 # their ``model`` when it is not given.
 DRAFT_CHECKPOINT_METHODS = frozenset({"draft_model", "assistant"})
+# Sonar's methods whose draft is a trained head; ``--random-heads`` fills in their ``model``.
+HEAD_METHODS = frozenset({"eagle", "eagle3"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class RowSpec:
         if lookup:
             parts.append(lookup)
         model = self.options.get("model")
-        if model and self.method in DRAFT_CHECKPOINT_METHODS:
+        if model and self.method in DRAFT_CHECKPOINT_METHODS | HEAD_METHODS:
             parts.append(f"({Path(str(model)).name})")
         return " ".join(parts)
 
@@ -118,6 +121,23 @@ def peer_rows(texts: list[str]) -> list[RowSpec]:
     for engine in dict.fromkeys(row.engine for row in rows):
         ordered += [row for row in rows if row.engine == engine]
     return ordered
+
+
+def with_heads(rows: list[RowSpec], head_for: Callable[[str], Path] | None) -> list[RowSpec]:
+    """Give head rows (eagle, eagle3) that name no head the folder ``head_for(method)`` returns;
+    without it such a row is an error that says how to get one."""
+    filled = []
+    for row in rows:
+        if row.engine == SONAR and row.method in HEAD_METHODS and not row.options.get("model"):
+            if head_for is None:
+                raise ConfigError(
+                    "model",
+                    f"the sonar {row.method} row names no head",
+                    'add "model": PATH to its options, or pass --random-heads to measure a random head\'s cost',
+                )
+            row = RowSpec(row.engine, row.method, {**row.options, "model": str(head_for(row.method))})
+        filled.append(row)
+    return filled
 
 
 def with_draft(rows: list[RowSpec], draft_dirs: list[Path]) -> list[RowSpec]:

@@ -17,19 +17,20 @@ from typing import Any
 
 from sonar_core.bench.chart import matplotlib_available, write_chart
 from sonar_core.bench.cpu_load import QuietPolicy
-from sonar_core.bench.drafts import truncated_draft
+from sonar_core.bench.drafts import random_eagle_head, truncated_draft
 from sonar_core.bench.http_runner import ServePlan, run_serve
 from sonar_core.bench.offline import OfflinePlan, run_offline
 from sonar_core.bench.peers.peer_protocol import BenchRequest
 from sonar_core.bench.progress import Progress
 from sonar_core.bench.report import TableMeta, render, to_json, write_json
 from sonar_core.bench.results import RowResult
-from sonar_core.bench.rows import SONAR, RowSpec, peer_rows, sonar_rows, with_draft
+from sonar_core.bench.rows import SONAR, RowSpec, peer_rows, sonar_rows, with_draft, with_heads
 from sonar_core.bench.target import BenchTarget, load_target
 from sonar_core.bench.workloads import Workload, load_workload, tokenize_workload, warmup_prompt
 from sonar_core.config import EngineConfig, validate_config
 from sonar_core.entrypoints.args import engine_config_from_args
 from sonar_core.errors import ConfigError
+from sonar_core.model_files import DEFAULT_MODEL_NAME
 from sonar_core.plugins import SONAR_METHOD_PACKAGES, get_plugin_manager
 
 # Settings the benchmark sets per row itself; the rest of the engine flags pass through.
@@ -79,7 +80,8 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
     target = load_target(args.model)
     rows = sonar_rows(args.speculative_configs or []) + peer_rows(peers)
     drafts = [_draft(target, layers) for layers in args.truncated_draft or []]
-    rows = [_check_sonar_row(row, base) for row in with_draft(rows, drafts)]
+    rows = with_heads(with_draft(rows, drafts), _head_builder(target, args))
+    rows = [_check_sonar_row(row, base) for row in rows]
     engine_args = {k: v for k, v in base.model_dump(exclude_unset=True).items() if k not in _PER_ROW_FIELDS}
     return Setup(
         target=target,
@@ -91,6 +93,20 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
         threads=args.threads or os.cpu_count() or 1,
         quiet=QuietPolicy(args.max_other_cpu, args.max_attempts) if args.max_other_cpu is not None else None,
     )
+
+
+def _head_builder(target: BenchTarget, args: argparse.Namespace) -> Callable[[str], Path] | None:
+    if not getattr(args, "random_heads", False):
+        return None
+    vocab = args.random_head_vocab
+    if not 0 < vocab <= target.vocab_size:
+        raise ConfigError(
+            "random_head_vocab",
+            f"a draft vocabulary of {vocab} tokens does not fit the target's {target.vocab_size}",
+            f"pass --random-head-vocab between 1 and {target.vocab_size}",
+        )
+    verifier = target.model or DEFAULT_MODEL_NAME
+    return lambda method: random_eagle_head(target.model_dir, method, vocab, verifier)
 
 
 def _draft(target: BenchTarget, num_layers: int) -> Path:

@@ -50,6 +50,7 @@ def run(job: Job) -> RunResult:
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     before = _spec_counts(llm) if job.method else None
+    timing_before = (engine.timing.target_s, engine.timing.propose_s)
     params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens)
 
     def submit(request: BenchRequest) -> None:
@@ -73,6 +74,8 @@ def run(job: Job) -> RunResult:
         kv_cache_bytes=kv_cache_bytes(engine),
         spec=spec,
         peak_device_bytes=torch.cuda.max_memory_allocated(engine.device) if on_cuda else None,
+        target_seconds=engine.timing.target_s - timing_before[0],
+        propose_seconds=engine.timing.propose_s - timing_before[1] if job.method else None,
     )
 
 

@@ -21,6 +21,7 @@ class BenchTarget:
     tokenizer: Any
     eos_token_ids: list[int]
     num_layers: int
+    vocab_size: int
 
 
 def load_target(model: str | None) -> BenchTarget:
@@ -39,6 +40,7 @@ def load_target(model: str | None) -> BenchTarget:
         tokenizer=load_tokenizer(model_dir),
         eos_token_ids=eos_token_ids(model_dir, hf_config),
         num_layers=int(config.get("num_hidden_layers", 0)),
+        vocab_size=int(config.get("vocab_size", 0)),
     )
 
 

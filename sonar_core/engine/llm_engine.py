@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,17 @@ from sonar_core.spec_decode.metrics import SpecDecodingStats
 from sonar_core.spec_decode.proposer import ProposerCapabilities, ProposerContext
 
 logger = logging.getLogger("sonar.engine")
+
+
+@dataclass
+class StepTiming:
+    """Wall-clock seconds the engine spent in the target's forward (with verification) and in the
+    proposer, over every step so far: ``propose_s / target_s`` is the draft's cost as a fraction of
+    the target's. Both end in a read-back of tokens, so the times hold on CUDA too."""
+
+    target_s: float = 0.0
+    propose_s: float = 0.0
+    steps: int = 0
 
 
 class LLMEngine:
@@ -110,6 +122,7 @@ class LLMEngine:
                 adaptive_depth=plan.adaptive_depth,
             )
         self.verifier = Verifier(self.device)
+        self.timing = StepTiming()
         self._requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self._ids = itertools.count()
@@ -214,8 +227,13 @@ class LLMEngine:
                 item.seq.metrics.first_scheduled_time = now
         run = self.runner.execute(sched)
         result = self.verifier(run, sched.scheduled)
+        verified = time.monotonic()
         updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
+        proposing = time.monotonic()
         num_drafted = self._propose(sched, run, result.num_accepted)
+        self.timing.target_s += verified - now
+        self.timing.propose_s += time.monotonic() - proposing
+        self.timing.steps += 1
         if self.speculator is not None:
             self.speculator.observe_step(sched.num_tokens, num_drafted, time.monotonic() - now)
         finished_at = time.monotonic()

@@ -9,12 +9,16 @@ A speculators config is recognised by its top-level ``speculators_model_type`` (
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
 from sonar_core.config import TargetInfo
+
+# The quantization tag GGUF file names end with (Q4_1, Q4_K_M, IQ3_XS, F16, BF16, ...).
+_GGUF_QUANT = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,9 @@ def checkpoint_name(source: str) -> str:
     if not source:
         return ""
     path = PurePath(source)
-    folder = path.parent if path.name == "config.json" else path.with_suffix("")
+    if path.suffix == ".gguf":  # "SmolLM2-135M-Instruct.Q4_1.gguf" is SmolLM2-135M-Instruct
+        return _GGUF_QUANT.sub("", path.stem)
+    folder = path.parent if path.name == "config.json" else path
     parts = folder.parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/")

@@ -53,6 +53,13 @@ def test_row_figures() -> None:
     assert figures.kv_cache_bytes == 8 << 20
 
 
+def test_draft_cost_is_proposer_time_over_target_time() -> None:
+    result = _result([RequestRecord("a", 0.0, events=[(0.2, 1)])], SpecCounts(1, 3, 1, [1, 0, 0]))
+    assert row_figures(result).draft_cost is None  # a peer, or a row without speculation
+    result.target_seconds, result.propose_seconds = 2.0, 0.25
+    assert row_figures(result).draft_cost == pytest.approx(0.125)
+
+
 def test_no_drafts_means_no_acceptance_figures() -> None:
     assert Acceptance.of(SpecCounts(0, 0, 0, [0, 0])) is None
 

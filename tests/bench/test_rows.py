@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sonar_core.bench.rows import RowSpec, parse_peer, peer_rows, sonar_rows, with_draft
+from sonar_core.bench.rows import RowSpec, parse_peer, peer_rows, sonar_rows, with_draft, with_heads
 from sonar_core.errors import ConfigError
 
 
@@ -73,3 +73,15 @@ def test_draft_rows_get_the_truncated_draft(tmp_path: Path) -> None:
     assert filled[2].options["model"] == "/mine"  # a named draft is kept
     with pytest.raises(ConfigError, match="--truncated-draft"):
         with_draft(rows[:1], [])
+
+
+def test_head_rows_get_a_head_or_say_how_to(tmp_path: Path) -> None:
+    rows = [
+        RowSpec("sonar", "eagle3", {"method": "eagle3", "num_speculative_tokens": 3}),
+        RowSpec("sonar", "eagle", {"method": "eagle", "model": "/trained/head"}),
+        RowSpec("sonar", "ngram", {"method": "ngram"}),
+    ]
+    filled = with_heads(rows, lambda method: tmp_path / f"random-{method}")
+    assert [row.label for row in filled] == ["sonar eagle3 k=3 (random-eagle3)", "sonar eagle (head)", "sonar ngram"]
+    with pytest.raises(ConfigError, match="--random-heads"):
+        with_heads(rows[:1], None)

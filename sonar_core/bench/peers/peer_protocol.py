@@ -155,6 +155,9 @@ class RunResult:
     spec: SpecCounts | None  # None: plain decoding, or an engine that does not count acceptance
     peak_device_bytes: int | None = None  # peak allocated accelerator memory (CUDA)
     notes: list[str] = field(default_factory=list)
+    # Sonar only: seconds in the target's forward and in the proposer over the measured requests.
+    target_seconds: float | None = None
+    propose_seconds: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunResult:

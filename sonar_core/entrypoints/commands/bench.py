@@ -111,6 +111,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "no model; several values run each such row once per draft.",
     )
     group.add_argument(
+        "--random-heads", action="store_true",
+        help="Give eagle/eagle3 rows that name no model a random one-layer head for the target (built once, "
+        "cached): its acceptance means nothing, its draft cost is real.",
+    )
+    group.add_argument(
+        "--random-head-vocab", type=int, default=8192, metavar="N",
+        help="Draft vocabulary of the random EAGLE-3 head (default: 8192 tokens).",
+    )
+    group.add_argument(
         "--max-other-cpu", type=float, default=None, metavar="CORES",
         help="On a shared machine: wait until other work keeps fewer than CORES cores busy before each row, and "
         "measure a row again (see --max-attempts) when other work went above it; default: measure once.",
