@@ -32,13 +32,16 @@ def truncated_draft(target_dir: Path, num_layers: int, root: Path | None = None)
     return folder
 
 
-def random_eagle_head(
+def random_head(
     target_dir: Path, method: str, draft_vocab_size: int, verifier: str, root: Path | None = None
 ) -> Path:
-    """A one-layer random head for ``target_dir``: EAGLE-1 (SafeAILab layout) for ``eagle``, EAGLE-3
-    (speculators layout, ``draft_vocab_size`` tokens, naming ``verifier``) for ``eagle3``; built if
-    missing."""
+    """A random head of ``method`` for ``target_dir``, built if missing: one-layer EAGLE-1 (SafeAILab
+    layout) for ``eagle``; one-layer EAGLE-3 (speculators layout, ``draft_vocab_size`` tokens,
+    naming ``verifier``) for ``eagle3``; three one-layer Medusa heads (vLLM layout) for ``medusa``;
+    a three-stage MLP speculator for ``mlp_speculator``. Medusa and MLP heads score the full
+    vocabulary, as their published checkpoints do."""
     from sonar_core.testing.eagle_heads import build_eagle_head
+    from sonar_core.testing.medusa_heads import build_medusa_head, build_mlp_speculator
 
     root = root if root is not None else cache_root() / "bench" / "heads"
     suffix = f"-v{draft_vocab_size}" if method == "eagle3" else ""
@@ -46,11 +49,16 @@ def random_eagle_head(
     if not (folder / "config.json").is_file():
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
+        target = Path(target_dir)
         if method == "eagle3":
-            build_eagle_head(Path(target_dir), partial, method="eagle3", layout="speculators",
+            build_eagle_head(target, partial, method="eagle3", layout="speculators",
                              draft_vocab_size=draft_vocab_size, init_std=0.02, verifier=verifier)
+        elif method == "eagle":
+            build_eagle_head(target, partial, method="eagle", layout="safeailab", init_std=0.02)
+        elif method == "medusa":
+            build_medusa_head(target, partial, layout="vllm", num_heads=3, init_std=0.02)
         else:
-            build_eagle_head(Path(target_dir), partial, method="eagle", layout="safeailab", init_std=0.02)
+            build_mlp_speculator(target, partial, n_predict=3, init_std=0.02)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
     return folder

@@ -23,7 +23,7 @@ DEFAULT_PEER_DRAFT_TOKENS = 4
 # their ``model`` when it is not given.
 DRAFT_CHECKPOINT_METHODS = frozenset({"draft_model", "assistant"})
 # Sonar's methods whose draft is a trained head; ``--random-heads`` fills in their ``model``.
-HEAD_METHODS = frozenset({"eagle", "eagle3"})
+HEAD_METHODS = frozenset({"eagle", "eagle3", "medusa", "mlp_speculator"})
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,8 @@ def peer_rows(texts: list[str]) -> list[RowSpec]:
 
 
 def with_heads(rows: list[RowSpec], head_for: Callable[[str], Path] | None) -> list[RowSpec]:
-    """Give head rows (eagle, eagle3) that name no head the folder ``head_for(method)`` returns;
-    without it such a row is an error that says how to get one."""
+    """Give head rows (EAGLE, Medusa, MLP speculator) that name no head the folder
+    ``head_for(method)`` returns; without it such a row is an error that says how to get one."""
     filled = []
     for row in rows:
         if row.engine == SONAR and row.method in HEAD_METHODS and not row.options.get("model"):

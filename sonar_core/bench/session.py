@@ -17,7 +17,7 @@ from typing import Any
 
 from sonar_core.bench.chart import matplotlib_available, write_chart
 from sonar_core.bench.cpu_load import QuietPolicy
-from sonar_core.bench.drafts import random_eagle_head, truncated_draft
+from sonar_core.bench.drafts import random_head, truncated_draft
 from sonar_core.bench.http_runner import ServePlan, run_serve
 from sonar_core.bench.offline import OfflinePlan, run_offline
 from sonar_core.bench.peers.peer_protocol import BenchRequest
@@ -106,7 +106,7 @@ def _head_builder(target: BenchTarget, args: argparse.Namespace) -> Callable[[st
             f"pass --random-head-vocab between 1 and {target.vocab_size}",
         )
     verifier = target.model or DEFAULT_MODEL_NAME
-    return lambda method: random_eagle_head(target.model_dir, method, vocab, verifier)
+    return lambda method: random_head(target.model_dir, method, vocab, verifier)
 
 
 def _draft(target: BenchTarget, num_layers: int) -> Path:

@@ -23,6 +23,9 @@ class DraftArchitectureEntry(Protocol):
     @property
     def architecture(self) -> str: ...
 
+    @property
+    def config_key(self) -> str | None: ...
+
 
 class MethodDescription(Protocol):
     """A method as the rules see it: its canonical name, its options model and its draft formats."""

@@ -35,6 +35,8 @@ def detect_method(model: str, draft: TargetInfo) -> tuple[str, str]:
             return _ARCHITECTURE_METHODS[architecture], f"its architecture is {architecture}"
     if draft.model_type in _MODEL_TYPE_METHODS:
         return _MODEL_TYPE_METHODS[draft.model_type], f"its model_type is {draft.model_type!r}"
+    if "medusa_num_heads" in draft.hf_config:  # FasterDecoding's config names no model_type
+        return "medusa", "its config has medusa_num_heads"
     name = model.lower()
     for marker, method in (("eagle3", "eagle3"), ("eagle-", "eagle"), ("dflash", "dflash"), ("dspark", "dspark")):
         if marker in name:

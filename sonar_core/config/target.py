@@ -134,6 +134,22 @@ class TargetInfo:
     def with_tensor_parallel_size(self, tensor_parallel_size: int) -> TargetInfo:
         return replace(self, tensor_parallel_size=tensor_parallel_size)
 
+    def config_value(self, key: str) -> Any:
+        """A key of the raw config, or of its ``text_config`` for multimodal configs (None if absent)."""
+        value = self.hf_config.get(key)
+        text = self.hf_config.get("text_config")
+        if value is None and isinstance(text, Mapping):
+            value = text.get(key)
+        return value
+
+    @property
+    def hidden_size(self) -> int | None:
+        return _positive_int(self.config_value("hidden_size"))
+
+    @property
+    def num_layers(self) -> int | None:
+        return _positive_int(self.config_value("num_hidden_layers"))
+
 
 def target_info_for(model: str | None, *, tensor_parallel_size: int = 1, field: str = "model") -> TargetInfo:
     """The :class:`TargetInfo` of ``model`` without loading its weights.

@@ -265,6 +265,10 @@ def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo, method
     supported = [entry.architecture for entry in spec.draft_architectures]
     if any(name in supported for name in draft.architectures):
         return
+    if not draft.architectures and any(
+        entry.config_key is not None and entry.config_key in draft.hf_config for entry in spec.draft_architectures
+    ):
+        return
     found = ", ".join(draft.architectures) or "none"
     others = [name for arch in draft.architectures for name in methods.methods_for_draft_architecture(arch)]
     hint = f'it is a draft for method {others[0]!r}: use "method": "{others[0]}", or ' if others else ""

@@ -52,9 +52,13 @@ def weight_files(model_dir: Path) -> list[Path]:
         found = sorted(model_dir.glob(pattern))
         if found:
             return found
+    # A lone state dict saved with torch.save (FasterDecoding's medusa_lm_head.pt).
+    state_dicts = sorted(model_dir.glob("*.pt"))
+    if len(state_dicts) == 1:
+        return state_dicts
     raise CheckpointError(
         f"no weights in {model_dir}: expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX} with its shards, "
-        f"or {BIN_SINGLE}"
+        f"{BIN_SINGLE}, or one .pt state dict"
     )
 
 

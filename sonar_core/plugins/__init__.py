@@ -28,7 +28,7 @@ from sonar_core.plugins.registry import (
     MethodRegistry,
     MethodSpec,
 )
-from sonar_core.plugins.rules import checkpoint_refused, one_hot_drafts_warning
+from sonar_core.plugins.rules import checkpoint_refused, checkpoint_required, one_hot_drafts_warning
 
 __all__ = [
     "ALLOW_LIST_ENV",
@@ -43,6 +43,7 @@ __all__ = [
     "SonarPluginManager",
     "build_method_registry",
     "checkpoint_refused",
+    "checkpoint_required",
     "enable_hook_tracing",
     "get_plugin_manager",
     "hookimpl",

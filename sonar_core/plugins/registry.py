@@ -24,11 +24,14 @@ class DraftArchitecture:
     ``architecture`` is matched against the draft config's ``architectures``; ``layout`` names the
     published layout (``"SafeAILab EAGLE-3"``, ``"speculators eagle3"``); ``notes`` says what else
     the method requires of such a checkpoint (a ``model_type`` of its inner layer config, ...).
+    A legacy layout whose config names no architecture is matched by ``config_key`` instead (a key
+    only its configs have, such as FasterDecoding Medusa's ``medusa_num_heads``).
     """
 
     architecture: str
     layout: str
     notes: str = ""
+    config_key: str | None = None
 
 
 @dataclass(frozen=True)

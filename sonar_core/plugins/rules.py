@@ -2,7 +2,8 @@
 
 Methods that draft without a checkpoint (prompt lookup, suffix trees, a user's bigram table) and
 without a distribution over the vocabulary all refuse ``model`` and ignore probabilistic drafting;
-these helpers give every such plugin the same error and warning, worded once.
+methods that draft with a trained checkpoint (a draft model, EAGLE, Medusa heads) all need one.
+These helpers give every such plugin the same error and warning, worded once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ def checkpoint_refused(config: SpeculativeConfig, drafts_from: str) -> ConfigErr
         f"method {config.method!r} drafts from {drafts_from} and loads no checkpoint, "
         f"but model={config.model!r} is set",
         "remove 'model' from the speculative config",
+    )
+
+
+def checkpoint_required(config: SpeculativeConfig, drafts_with: str) -> ConfigError | None:
+    """The error for a method that drafts with a checkpoint when ``model`` is unset (None when set).
+
+    ``drafts_with`` completes "method X drafts with ..." (``"a trained EAGLE head"``).
+    """
+    if config.model is not None:
+        return None
+    return ConfigError(
+        "model",
+        f"method {config.method!r} drafts with {drafts_with}, and none was given",
+        f'set "model" to the folder of {drafts_with} for this target',
     )
 
 

@@ -103,7 +103,7 @@ class ChainProposer(Proposer):
         ends = torch.tensor([r.num_hidden_rows for r in requests], device=device).cumsum(0) - 1
         last = ends[torch.tensor([i for i, r in enumerate(requests) if r.max_draft_tokens > 0], device=device)]
         token_ids, probs = self._chain(batch, drafting, out.index_select(0, last), carry.index_select(0, last))
-        return self._proposal(batch.requests, drafting, token_ids, probs)
+        return DraftProposal.from_rows(batch.requests, drafting, token_ids, probs)
 
     def _first_pass(self, batch: ProposeBatch, requests: list[ProposalRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every new target position; fills the draft KV of those positions."""
@@ -144,24 +144,3 @@ class ChainProposer(Proposer):
         token_ids = torch.stack(steps_ids, dim=1).tolist()
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
         return token_ids, probs
-
-    @staticmethod
-    def _proposal(
-        all_requests: list[ProposalRequest],
-        drafting: list[ProposalRequest],
-        token_ids: list[list[int]],
-        probs: torch.Tensor | None,
-    ) -> DraftProposal:
-        by_id = {r.request_id: row for row, r in enumerate(drafting)}
-        drafts: list[list[int]] = []
-        prob_rows: list[torch.Tensor] = []
-        for request in all_requests:
-            row = by_id.get(request.request_id)
-            if row is None:
-                drafts.append([])
-                continue
-            count = request.max_draft_tokens
-            drafts.append(token_ids[row][:count])
-            if probs is not None:
-                prob_rows.append(probs[row, :count])
-        return DraftProposal(drafts, torch.cat(prob_rows) if prob_rows else None)

@@ -152,6 +152,12 @@ class ProposeBatch:
     # The step's target states, when the capabilities ask for any.
     target_hidden: TargetHiddenStates | None = None
 
+    def last_row_index(self, requests: list[ProposalRequest]) -> torch.Tensor:
+        """``[R]`` int64: each request's last valid row of ``target_hidden`` (its newest position
+        the target read, whose state heads like Medusa and the MLP speculator draft from)."""
+        rows = [r.hidden_rows.stop - 1 for r in requests]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
     def hidden_row_index(self, requests: list[ProposalRequest] | None = None) -> torch.Tensor:
         """``[R]`` int64 rows of ``target_hidden`` holding the valid positions of ``requests``
         (all by default), request by request, in position order."""
@@ -169,6 +175,30 @@ class DraftProposal:
     # [sum of draft lengths, vocab_size] draft probabilities, rows in request order, when the
     # proposer declares returns_draft_probs; otherwise None (one-hot drafts).
     probs: torch.Tensor | None = None
+
+    @classmethod
+    def from_rows(
+        cls,
+        requests: list[ProposalRequest],
+        drafting: list[ProposalRequest],
+        token_rows: list[list[int]],
+        probs: torch.Tensor | None = None,
+    ) -> DraftProposal:
+        """The proposal of a batch from drafts made for ``drafting`` (a subset of ``requests``):
+        row ``i`` of ``token_rows`` (and of ``probs``, ``[len(drafting), k, V]``) belongs to
+        ``drafting[i]`` and is cut to its ``max_draft_tokens``; other requests get no drafts."""
+        by_id = {r.request_id: row for row, r in enumerate(drafting)}
+        drafts: list[list[int]] = []
+        prob_rows: list[torch.Tensor] = []
+        for request in requests:
+            row = by_id.get(request.request_id)
+            if row is None:
+                drafts.append([])
+                continue
+            drafts.append(token_rows[row][: request.max_draft_tokens])
+            if probs is not None:
+                prob_rows.append(probs[row, : len(drafts[-1])])
+        return cls(drafts, torch.cat(prob_rows) if prob_rows else None)
 
 
 @dataclass

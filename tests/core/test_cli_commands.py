@@ -38,7 +38,7 @@ def test_plugins_as_json(run_aphrodite):
         "method": "echo_test", "aliases": ["echo_alias"], "distribution": "sonar-test-plugin", "version": "0.3.1",
         "description": "Test method: repeats the last token",
     }
-    assert data["not_installed"]["medusa"] == "sonar-medusa"
+    assert data["not_installed"]["dflash"] == "sonar-dflash"
     assert "deepseek_mtp" not in data["not_installed"]
 
 

@@ -166,7 +166,7 @@ def test_a_method_without_a_head_says_what_to_pass(target, manager):
     with pytest.raises(ConfigError) as info:
         _check(target, manager, method="eagle3")
     assert info.value.field == "speculative_config.model"
-    assert "EAGLE head trained for this target" in info.value.fix
+    assert "trained EAGLE head" in info.value.fix and "for this target" in info.value.fix
 
 
 def test_an_unsupported_draft_architecture_fails_in_check_config(target, speculators_head, tmp_path, capsys, monkeypatch):

@@ -112,8 +112,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--random-heads", action="store_true",
-        help="Give eagle/eagle3 rows that name no model a random one-layer head for the target (built once, "
-        "cached): its acceptance means nothing, its draft cost is real.",
+        help="Give eagle, eagle3, medusa and mlp_speculator rows that name no model a random head for the target "
+        "(built once, cached): its acceptance means nothing, its draft cost is real.",
     )
     group.add_argument(
         "--random-head-vocab", type=int, default=8192, metavar="N",

@@ -44,7 +44,7 @@ def draft_architecture_rows(registry: MethodRegistry) -> list[dict[str, str]]:
     return [
         {
             "method": spec.name,
-            "architecture": entry.architecture,
+            "architecture": entry.architecture or f"none ({entry.config_key} in config)",
             "layout": entry.layout,
             "notes": entry.notes,
             "distribution": spec.distribution,
@@ -70,7 +70,7 @@ def supported_models_markdown(registry: MethodRegistry) -> str:
     ]
     for row in draft_architecture_rows(registry):
         lines.append(
-            f"| {row['method']} | `{row['architecture']}` | {row['layout']} | {row['notes']} | {row['distribution']} |"
+            f"| {row['method']} | {_code(row['architecture'])} | {row['layout']} | {row['notes']} | {row['distribution']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         for package, methods in by_package.items():
             print(f"  {', '.join(methods)}: pip install {package}")
     return status
+
+
+def _code(architecture: str) -> str:
+    """An architecture name as Markdown code; a legacy layout's description stays text."""
+    return architecture if architecture.startswith("none (") else f"`{architecture}`"
 
 
 def _print_models(registry: MethodRegistry, args: argparse.Namespace) -> int:

@@ -107,24 +107,15 @@ class DraftModelProposer(Proposer):
         token_rows: list[list[int]],
         probs: torch.Tensor | None,
     ) -> DraftProposal:
-        """Cut each drafting request's chain to its budget and remember it for the next catch-up."""
-        by_id = {r.request_id: row for row, r in enumerate(drafting)}
-        drafts: list[list[int]] = []
-        prob_rows: list[torch.Tensor] = []
-        for request in all_requests:
-            row = by_id.get(request.request_id)
-            if row is None:
-                drafts.append([])
-                continue
-            tokens = token_rows[row][: request.max_draft_tokens]
-            drafts.append(tokens)
-            if probs is not None:
-                prob_rows.append(probs[row, : len(tokens)])
-            state = self._states[request.request_id]
-            state.committed = len(request.token_ids)
-            state.last_drafts = tokens
-            state.last_length = len(request.token_ids)
-        return DraftProposal(drafts, torch.cat(prob_rows) if prob_rows else None)
+        """The batch's proposal; each drafting request remembers its drafts for the next catch-up."""
+        proposal = DraftProposal.from_rows(all_requests, drafting, token_rows, probs)
+        for request, tokens in zip(all_requests, proposal.token_ids, strict=True):
+            if request.max_draft_tokens:
+                state = self._states[request.request_id]
+                state.committed = len(request.token_ids)
+                state.last_drafts = tokens
+                state.last_length = len(request.token_ids)
+        return proposal
 
     def _reusable_prefix(self, request: ProposalRequest) -> int:
         """Positions whose draft KV is still valid: committed ones plus accepted earlier drafts.

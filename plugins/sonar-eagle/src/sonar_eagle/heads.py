@@ -18,7 +18,6 @@ from sonar_core.kv import KVCache, KVLayerSpec
 from sonar_core.layers import (
     AttentionMetadata,
     DecoderLayer,
-    GatedMLP,
     RMSNorm,
     RotaryEmbedding,
     SelfAttention,
@@ -94,21 +93,18 @@ class Eagle1Head(_EagleHead):
         return self._shared.lm_head(out).float()
 
 
-class Eagle3FirstLayer(nn.Module):
-    """EAGLE-3's first layer: attention over ``[input_layernorm(embedding), hidden_norm(hidden)]``
-    (twice the hidden width), then the usual MLP block."""
+class Eagle3FirstLayer(DecoderLayer):
+    """EAGLE-3's first layer: a decoder layer whose attention reads
+    ``[input_layernorm(embedding), hidden_norm(hidden)]`` (twice the hidden width)."""
 
     def __init__(self, layout: EagleLayout) -> None:
-        super().__init__()
+        super().__init__(layout.layer)
         config = layout.layer
         self.norm_before_residual = layout.norm_before_residual
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, input_size=2 * config.hidden_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         embeds: torch.Tensor,
         hidden: torch.Tensor,

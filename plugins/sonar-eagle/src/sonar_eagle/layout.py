@@ -42,14 +42,7 @@ class TargetShape:
 
     @classmethod
     def of(cls, target: TargetInfo) -> TargetShape:
-        config = target.hf_config
-        text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
-
-        def lookup(key: str) -> Any:
-            value = config.get(key)
-            return value if value is not None else text.get(key)
-
-        return cls(int(lookup("hidden_size") or 0), int(lookup("num_hidden_layers") or 0), int(target.vocab_size or 0))
+        return cls(target.hidden_size or 0, target.num_layers or 0, target.vocab_size or 0)
 
 
 @dataclass(frozen=True)
@@ -134,33 +127,30 @@ def read_layout(checkpoint: DraftCheckpoint, method: str, target: TargetShape) -
         ) from None
     vocab_size = int(layer_dict.get("vocab_size") or target.vocab_size)
     _check_against_target(checkpoint, layer, vocab_size, options, target)
-    if method == "eagle":
-        return EagleLayout(
-            method=method,
-            layout=layout,
-            layer=layer,
-            num_layers=int(hf_config.num_hidden_layers),
-            rope=RopeConfig.from_hf_config(hf_config, layer.head_dim),
-            target_hidden_layers=(),
-            target_vocab_size=vocab_size,
-            draft_vocab_size=vocab_size,
-            target_hidden_size=target.hidden_size,
-            # SafeAILab's loader: a missing "bias" key means fc has a bias.
-            fc_bias=bool(options.get("bias", True)),
-            own_embedding="embed_tokens.weight" in checkpoint.shapes,
-            own_lm_head=False,
-        )
-    draft_vocab_size = int(options.get("draft_vocab_size") or vocab_size)
-    target_hidden_size = int(options.get("target_hidden_size") or layer.hidden_size)
-    aux = _aux_layers(checkpoint, options, target, target_hidden_size)
-    return EagleLayout(
+    common = dict(
         method=method,
         layout=layout,
         layer=layer,
         num_layers=int(hf_config.num_hidden_layers),
         rope=RopeConfig.from_hf_config(hf_config, layer.head_dim),
-        target_hidden_layers=aux,
         target_vocab_size=vocab_size,
+        own_embedding="embed_tokens.weight" in checkpoint.shapes,
+    )
+    if method == "eagle":
+        return EagleLayout(
+            **common,
+            target_hidden_layers=(),
+            draft_vocab_size=vocab_size,
+            target_hidden_size=target.hidden_size,
+            # SafeAILab's loader: a missing "bias" key means fc has a bias.
+            fc_bias=bool(options.get("bias", True)),
+            own_lm_head=False,
+        )
+    draft_vocab_size = int(options.get("draft_vocab_size") or vocab_size)
+    target_hidden_size = int(options.get("target_hidden_size") or layer.hidden_size)
+    return EagleLayout(
+        **common,
+        target_hidden_layers=_aux_layers(checkpoint, options, target, target_hidden_size),
         draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden_size,
         # speculators always writes the key; vLLM reads a missing one as True.
@@ -168,7 +158,6 @@ def read_layout(checkpoint: DraftCheckpoint, method: str, target: TargetShape) -
         norm_output=bool(options.get("norm_output", False)),
         norm_before_fc=bool(options.get("norm_before_fc", False)),
         fc_norm=bool(options.get("fc_norm", False)),
-        own_embedding="embed_tokens.weight" in checkpoint.shapes,
         own_lm_head="lm_head.weight" in checkpoint.shapes or draft_vocab_size != vocab_size,
         trained_depth=speculators.speculative_tokens if speculators is not None else None,
     )

@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from sonar_core.errors import ConfigError
-from sonar_core.plugins import DraftArchitecture, MethodSpec, hookimpl
+from sonar_core.plugins import DraftArchitecture, MethodSpec, checkpoint_required, hookimpl
 from sonar_eagle.layout import SAFEAILAB_EAGLE1, SAFEAILAB_EAGLE3, SPECULATORS_EAGLE3, TargetShape
 
 if TYPE_CHECKING:
@@ -92,12 +91,9 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
     depth exceeds the one it was trained for."""
     if config.method not in METHODS:
         return None
-    if config.model is None:
-        raise ConfigError(
-            "model",
-            f"method {config.method!r} drafts with a trained EAGLE head, and none was given",
-            'set "model" to the folder of an EAGLE head trained for this target (SafeAILab or speculators layout)',
-        )
+    missing = checkpoint_required(config, "a trained EAGLE head (SafeAILab or speculators layout)")
+    if missing is not None:
+        raise missing
     from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
     from sonar_eagle.loading import check_checkpoint
 

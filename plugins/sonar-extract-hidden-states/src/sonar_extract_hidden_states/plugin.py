@@ -98,8 +98,7 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
     options = ExtractOptions.model_validate(config.method_options)
     _check_writable(Path(options.output_dir).expanduser())
     if target is not None:
-        num_layers = int(target.hf_config.get("num_hidden_layers") or 0)
-        _layers(options, num_layers)
+        _layers(options, target.num_layers or 0)
     warnings = []
     warning = one_hot_drafts_warning(config)
     if warning:

@@ -1,0 +1,1 @@
+"""Medusa speculation for Sonar: independent heads that each predict one token further ahead."""
