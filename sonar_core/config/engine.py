@@ -85,6 +85,10 @@ class EngineConfig(BaseModel):
     """Devices the target is split over. This engine runs on one device: only 1 is accepted (the
     flag parses so that vLLM command lines give a clear error)."""
 
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the target's layers are split over. Sonar has no pipeline parallelism: only
+    1 is accepted (the flag parses so that vLLM command lines give a clear error)."""
+
     trust_remote_code: bool = False
     """Accepted for compatibility with vLLM command lines. Sonar runs its own model code and never
     executes code from a checkpoint, so the flag changes nothing."""
@@ -131,6 +135,20 @@ class EngineConfig(BaseModel):
                 "tensor_parallel_size",
                 f"this engine runs the model on one device; tensor_parallel_size={value} is not supported",
                 "remove --tensor-parallel-size (tensor_parallel_size in Python) or set it to 1",
+            )
+        return value
+
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _no_pipeline(cls, value: int) -> int:
+        # No pipeline implementation exists; the fix names the alternatives (DSpark's documented
+        # advice for scaling a deployment).
+        if value != 1:
+            raise ConfigError(
+                "pipeline_parallel_size",
+                f"pipeline parallelism is not supported; pipeline_parallel_size={value}",
+                "remove --pipeline-parallel-size (pipeline_parallel_size in Python) or set it to 1; "
+                "use tensor parallelism or data parallelism to spread a deployment over devices",
             )
         return value
 

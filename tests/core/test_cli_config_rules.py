@@ -99,6 +99,7 @@ def test_draft_max_model_len_above_the_draft_checkpoints_limit(run_aphrodite, ma
     [
         (["--tensor-parallel-size", "2"], ["tensor_parallel_size", "is not supported"]),
         (["-tp", "4"], ["tensor_parallel_size=4"]),
+        (["-pp", "2"], ["pipeline parallelism is not supported", "tensor parallelism or data parallelism"]),
         (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization", "--gpu-memory-utilization"]),
         (["--dtype", "fp8"], ["dtype: unknown dtype 'fp8'"]),
         (["--device", "tpu"], ["device: unknown device 'tpu'"]),

@@ -37,6 +37,14 @@ def test_tensor_parallel_size_must_be_one(size):
     assert "--tensor-parallel-size" in error.fix
 
 
+@pytest.mark.parametrize("size", [2, 0])
+def test_pipeline_parallel_size_is_refused_with_the_alternatives(size):
+    error = build_error(pipeline_parallel_size=size)
+    assert error.field == "pipeline_parallel_size"
+    assert "--pipeline-parallel-size" in error.fix
+    assert "tensor parallelism or data parallelism" in error.fix
+
+
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
 def test_gpu_memory_utilization_is_a_fraction(fraction):
     error = build_error(gpu_memory_utilization=fraction)
