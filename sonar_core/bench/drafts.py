@@ -38,8 +38,10 @@ def random_head(
     """A random head of ``method`` for ``target_dir``, built if missing: one-layer EAGLE-1 (SafeAILab
     layout) for ``eagle``; one-layer EAGLE-3 (speculators layout, ``draft_vocab_size`` tokens,
     naming ``verifier``) for ``eagle3``; three one-layer Medusa heads (vLLM layout) for ``medusa``;
-    a three-stage MLP speculator for ``mlp_speculator``. Medusa and MLP heads score the full
-    vocabulary, as their published checkpoints do."""
+    a three-stage MLP speculator for ``mlp_speculator``; a one-layer block drafter of 8 slots (z-lab
+    layout) for ``dflash`` and with a vanilla Markov head (DeepSpec layout) for ``dspark``. Medusa,
+    MLP and DSpark heads score the full vocabulary, as their published checkpoints do."""
+    from sonar_core.testing.block_drafters import build_block_drafter
     from sonar_core.testing.eagle_heads import build_eagle_head
     from sonar_core.testing.medusa_heads import build_medusa_head, build_mlp_speculator
 
@@ -57,6 +59,10 @@ def random_head(
             build_eagle_head(target, partial, method="eagle", layout="safeailab", init_std=0.02)
         elif method == "medusa":
             build_medusa_head(target, partial, layout="vllm", num_heads=3, init_std=0.02)
+        elif method == "dflash":
+            build_block_drafter(target, partial, layout="zlab", block_size=8, init_std=0.02)
+        elif method == "dspark":
+            build_block_drafter(target, partial, layout="deepspec", block_size=8, markov_rank=256, init_std=0.02)
         else:
             build_mlp_speculator(target, partial, n_predict=3, init_std=0.02)
         shutil.rmtree(folder, ignore_errors=True)

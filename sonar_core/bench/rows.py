@@ -23,7 +23,7 @@ DEFAULT_PEER_DRAFT_TOKENS = 4
 # their ``model`` when it is not given.
 DRAFT_CHECKPOINT_METHODS = frozenset({"draft_model", "assistant"})
 # Sonar's methods whose draft is a trained head; ``--random-heads`` fills in their ``model``.
-HEAD_METHODS = frozenset({"eagle", "eagle3", "medusa", "mlp_speculator"})
+HEAD_METHODS = frozenset({"eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"})
 
 
 @dataclass(frozen=True)

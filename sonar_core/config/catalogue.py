@@ -39,6 +39,9 @@ class MethodDescription(Protocol):
     @property
     def draft_architectures(self) -> Sequence[DraftArchitectureEntry]: ...
 
+    @property
+    def checkpoint_limits_context(self) -> bool: ...
+
 
 class MethodCatalogue(Protocol):
     """The installed methods and their rules."""

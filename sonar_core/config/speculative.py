@@ -65,13 +65,13 @@ class SpeculativeConfig(BaseModel):
     distribution and keeps the draft probabilities for rejection sampling (more memory)."""
 
     attention_backend: str | None = None
-    """Attention backend of the draft model (for example ``FLASH_ATTN``), for drafts that need
-    non-causal attention. Unset: chosen automatically."""
+    """Attention backend of the draft (``TORCH_SDPA`` or ``FLASH_ATTN``), for drafts that need
+    non-causal attention. Unset: ``TORCH_SDPA``. ``FLASH_ATTN`` runs as ``TORCH_SDPA`` on the CPU."""
 
     max_model_len: int | None = None
     """The longest sequence the draft handles; speculation stops for longer requests. It cannot
-    exceed the limit of the target or of the draft checkpoint. Unset: no limit beyond the
-    target's."""
+    exceed the limit of the target or of the draft checkpoint. Unset: the draft checkpoint's own
+    limit for methods bounded by it (draft_model, dflash, dspark), else the target's."""
 
     parallel_drafting: bool | None = None
     """Draft a whole block in one pass. Unset: the method decides (DFlash and DSpark always

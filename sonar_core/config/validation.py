@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from sonar_core.attention_backends import BACKENDS, get_backend
 from sonar_core.config.catalogue import MethodCatalogue, MethodDescription
 from sonar_core.config.engine import EngineConfig
 from sonar_core.config.method_detection import detect_method
@@ -102,6 +103,8 @@ def validate_speculative_config(
         if default is not None:
             config = config.model_copy(update={"num_speculative_tokens": default})
     config, depth = _apply_core_rules(config, target, draft, engine_max_model_len, warnings)
+    if config.max_model_len is None and config.model is not None and spec.checkpoint_limits_context:
+        config = _draft_length_from_checkpoint(config, draft, engine_max_model_len)
     warnings.extend(_method_rules(config, target, methods))
     if log_warnings:
         for warning in warnings:
@@ -232,6 +235,7 @@ def _apply_core_rules(
             f"draft_tensor_parallel_size={draft_tp} is neither 1 nor the target's tensor_parallel_size ({target_tp})",
             f"set draft_tensor_parallel_size to 1 or {target_tp}, or remove it (1 is the default)",
         )
+    _check_attention_backend(config)
     if config.max_model_len is not None:
         _check_draft_length(config.max_model_len, config.model, target, draft)
         if engine_max_model_len is not None and config.max_model_len > engine_max_model_len:
@@ -240,6 +244,28 @@ def _apply_core_rules(
                 f"{engine_max_model_len}; requests never get that long, so it has no effect."
             )
     return config.model_copy(update={"draft_tensor_parallel_size": draft_tp}), config.num_speculative_tokens
+
+
+def _draft_length_from_checkpoint(
+    config: SpeculativeConfig, draft: TargetInfo | None, engine_max_model_len: int | None
+) -> SpeculativeConfig:
+    """Unset, the draft's max_model_len is the draft checkpoint's own limit where that is shorter
+    than the engine's: longer requests then stop speculating instead of drafting past it."""
+    draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
+    limit = draft.max_position_embeddings
+    if limit is None or (engine_max_model_len is not None and limit >= engine_max_model_len):
+        return config
+    return config.model_copy(update={"max_model_len": limit})
+
+
+def _check_attention_backend(config: SpeculativeConfig) -> None:
+    if config.attention_backend is not None and get_backend(config.attention_backend) is None:
+        names = ", ".join(f"{name} ({backend.description})" for name, backend in BACKENDS.items())
+        raise ConfigError(
+            f"{FIELD}.attention_backend",
+            f"{config.attention_backend!r} is not an attention backend of Sonar",
+            f"use one of {names}, or remove attention_backend for the default",
+        )
 
 
 def _check_draft_length(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.config import EngineConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
@@ -63,7 +64,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype()
         torch.manual_seed(config.seed)
         speculative = validated.speculative
-        claimed = plugin_manager.target_tensor_claims(speculative.config, validated.target) if speculative else ()
+        claimed = plugin_manager.target_tensor_claims(speculative.config if speculative else None, validated.target)
         loaded = load_model(config.model, self.dtype, self.device, claimed_prefixes=claimed)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
@@ -120,6 +121,7 @@ class LLMEngine:
                 caches[len(target_specs) :],
                 self.device,
                 adaptive_depth=plan.adaptive_depth,
+                attention_backend=self._attention_backend(speculative.config.attention_backend),
             )
         self.verifier = Verifier(self.device)
         self.timing = StepTiming()
@@ -131,6 +133,17 @@ class LLMEngine:
             self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
             f" speculative={config.speculative_config.method}" if plan else "",
         )
+
+    def _attention_backend(self, name: str | None) -> AttentionBackend:
+        """The draft's attention backend; says so when the device runs another one instead."""
+        backend = get_backend(name)
+        running = backend.runs_as(self.device)
+        if running != backend.name:
+            logger.warning(
+                "speculative_config.attention_backend %s has no kernel on %s; the draft runs %s instead",
+                backend.name, self.device.type, running,
+            )
+        return backend
 
     def _hidden_capture(self, capabilities: ProposerCapabilities, max_tokens: int) -> HiddenStateCapture | None:
         """The persistent buffer the target writes the proposer's requested states into."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
@@ -50,8 +51,10 @@ class Speculator:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,
         adaptive_depth: bool = False,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
         self.proposer = proposer
+        self.attention_backend = attention_backend or get_backend(None)
         self.capabilities = proposer.capabilities
         max_depth = self.capabilities.max_depth
         self.num_speculative_tokens = (
@@ -123,15 +126,15 @@ class Speculator:
                 )
             )
             seq.num_unproposed_tokens = 0
-        proposal = self.proposer.propose(
-            ProposeBatch(
-                requests=requests,
-                block_size=self.block_manager.block_size,
-                kv_caches=self.kv_caches,
-                device=self.device,
-                target_hidden=hidden,
-            )
+        batch = ProposeBatch(
+            requests=requests,
+            block_size=self.block_manager.block_size,
+            kv_caches=self.kv_caches,
+            device=self.device,
+            target_hidden=hidden,
         )
+        with self.attention_backend.active(self.device):
+            proposal = self.proposer.propose(batch)
         offset = 0
         for item, request, tokens in zip(items, requests, proposal.token_ids, strict=True):
             if len(tokens) > request.max_draft_tokens:

@@ -231,6 +231,13 @@ class PagedAttention(nn.Module):
         self.n_rep = num_heads // num_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+        """Write ``[T, num_kv_heads, head_dim]`` keys and values at their flat cache slots, without
+        attending (block drafters write their context's K/V this way)."""
+        k_cache, v_cache = kv_cache
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -244,8 +251,7 @@ class PagedAttention(nn.Module):
         """
         k_cache, v_cache = kv_cache
         kv_heads, head_dim, n_rep = self.num_kv_heads, self.head_dim, self.n_rep
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        self.store(k, v, kv_cache, metadata.slot_mapping)
 
         num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
         ids = metadata.context_block_ids

@@ -92,6 +92,21 @@ class SelfAttention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self._project(hidden, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+    def store_context(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write the keys and values of ``hidden`` at ``slot_mapping`` without attending: the context
+        of a block drafter, which later queries attend to (DFlash, DSpark)."""
+        _, k, v = self._project(hidden, cos, sin)
+        self.attn.store(k, v, kv_cache, slot_mapping)
+
+    def _project(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated (and, with qk_norm, normed) queries and keys, and values, per head."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk_width = self.qk_heads * self.head_dim
@@ -101,8 +116,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = apply_rotary(qk, cos, sin)
-        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_cache, metadata)
-        return self.o_proj(out)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class GatedMLP(nn.Module):

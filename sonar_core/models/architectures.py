@@ -67,11 +67,15 @@ LAYER_FAMILIES: dict[str, type[DecoderOnlyLM]] = {
 
 def hf_config_from_dict(config: dict[str, Any]) -> Any:
     """A transformers config object of ``config``'s ``model_type`` (defaults filled the way the
-    family's own checkpoints get them); extra keys stay attributes."""
+    family's own checkpoints get them); extra keys stay attributes. ValueError when transformers
+    refuses the values."""
     from transformers import AutoConfig
 
     values = {key: value for key, value in config.items() if key not in ("model_type", "transformers_version")}
-    return AutoConfig.for_model(config.get("model_type", "llama"), **values)
+    try:
+        return AutoConfig.for_model(config.get("model_type", "llama"), **values)
+    except Exception as exc:  # transformers' validators raise their own error types
+        raise ValueError(f"transformers refuses the config: {exc}") from exc
 
 
 def layer_config_for(hf_config: Any) -> DecoderLayerConfig:

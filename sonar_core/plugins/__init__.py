@@ -28,7 +28,13 @@ from sonar_core.plugins.registry import (
     MethodRegistry,
     MethodSpec,
 )
-from sonar_core.plugins.rules import checkpoint_refused, checkpoint_required, one_hot_drafts_warning
+from sonar_core.plugins.rules import (
+    checkpoint_refused,
+    checkpoint_required,
+    non_causal_backend_refused,
+    one_hot_drafts_warning,
+    parallel_drafting_refused,
+)
 
 __all__ = [
     "ALLOW_LIST_ENV",
@@ -48,5 +54,7 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "non_causal_backend_refused",
     "one_hot_drafts_warning",
+    "parallel_drafting_refused",
 ]

@@ -63,13 +63,15 @@ def sonar_default_num_speculative_tokens(config: SpeculativeConfig, target: Targ
 
 
 @hookspec
-def sonar_claim_target_tensors(config: SpeculativeConfig, target: TargetInfo | None) -> list[str] | None:
-    """Name prefixes of tensors in the *target* checkpoint that ``config.method`` loads itself.
+def sonar_claim_target_tensors(config: SpeculativeConfig | None, target: TargetInfo) -> list[str] | None:
+    """Name prefixes of draft weights in the *target* checkpoint, which the target model does not load.
 
     For draft weights shipped inside the target checkpoint (MTP layers, an embedded DSpark head):
-    the target loader skips exactly the tensors under these prefixes and stays strict for every
-    other name; the method reads them from ``ProposerContext.target_model_dir``. Return None for
-    other methods. Results of all plugins are combined.
+    return the prefixes your methods recognise in ``target`` (from its config), whatever method is
+    configured (``config`` is None without speculation), so that such a target also runs without
+    them. The target loader skips exactly the tensors under these prefixes and stays strict for
+    every other name; your method reads them from ``ProposerContext.target_model_dir``. Return None
+    when the target holds none. Results of all plugins are combined.
     """
 
 

@@ -150,8 +150,8 @@ class SonarPluginManager(pluggy.PluginManager):
                 warnings.extend(str(item) for item in result)
         return warnings
 
-    def target_tensor_claims(self, config: SpeculativeConfig, target: TargetInfo | None) -> tuple[str, ...]:
-        """Name prefixes of target-checkpoint tensors the configured method loads itself."""
+    def target_tensor_claims(self, config: SpeculativeConfig | None, target: TargetInfo) -> tuple[str, ...]:
+        """Name prefixes of draft weights in the target checkpoint (see the hook)."""
         claims = self.hook.sonar_claim_target_tensors(config=config, target=target)
         return tuple(dict.fromkeys(prefix for result in claims for prefix in result or ()))
 

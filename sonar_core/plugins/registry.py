@@ -50,6 +50,10 @@ class MethodSpec:
     description: str = ""
     options_model: type[BaseModel] | None = None
     draft_architectures: tuple[DraftArchitecture, ...] = ()
+    # True when the draft checkpoint's own context limit (max_position_embeddings) bounds drafting:
+    # unset, speculation's max_model_len is then that limit. False for heads that read target
+    # positions whatever their config states (EAGLE) or none at all (Medusa).
+    checkpoint_limits_context: bool = False
     # Filled in by the registry from the plugin's distribution.
     distribution: str = field(default="", compare=False)
     version: str = field(default="", compare=False)

@@ -46,6 +46,35 @@ def checkpoint_required(config: SpeculativeConfig, drafts_with: str) -> ConfigEr
     )
 
 
+def parallel_drafting_refused(config: SpeculativeConfig) -> ConfigError | None:
+    """The error for an explicit ``parallel_drafting`` given to a block drafter, which always drafts
+    its whole block in one pass (None when unset)."""
+    if config.parallel_drafting is None:
+        return None
+    return ConfigError(
+        "parallel_drafting",
+        f"method {config.method!r} selects parallel drafting automatically (it drafts a whole block in one pass)",
+        "do not set parallel_drafting for this method: remove it",
+    )
+
+
+def non_causal_backend_refused(config: SpeculativeConfig) -> ConfigError | None:
+    """The error for a draft attention backend without non-causal attention, given to a method whose
+    draft attends non-causally within its block (None when the backend supports it)."""
+    from sonar_core.attention_backends import BACKENDS, get_backend
+
+    backend = get_backend(config.attention_backend)
+    if backend is None or backend.non_causal:
+        return None
+    compatible = ", ".join(name for name, other in BACKENDS.items() if other.non_causal)
+    return ConfigError(
+        "attention_backend",
+        f"non-causal attention is unsupported by the draft attention backend {backend.name}, and method "
+        f"{config.method!r} attends non-causally within its draft block",
+        f"set a compatible draft attention backend: {compatible}",
+    )
+
+
 def one_hot_drafts_warning(config: SpeculativeConfig) -> str | None:
     """The warning for ``draft_sample_method: probabilistic`` on a method whose drafts carry no
     probabilities (None when drafting is greedy)."""

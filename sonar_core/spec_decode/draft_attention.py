@@ -41,17 +41,23 @@ def first_pass_metadata(
 
 
 def block_metadata(
-    starts: list[int], block_len: int, block_tables: list[list[int]], block_size: int, device: torch.device | str
+    starts: list[int],
+    block_len: int,
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str | None,
+    causal: bool = False,
 ) -> AttentionMetadata:
-    """Non-causal metadata of one ``block_len`` query block per request at positions
-    ``starts[i] .. starts[i] + block_len - 1``: every slot sees the context and the whole block."""
+    """Metadata of one ``block_len`` query block per request at positions ``starts[i] ..
+    starts[i] + block_len - 1``: every slot sees the context and (non-causal, the default) the whole
+    block, or (causal) the slots up to its own."""
     return AttentionMetadata.build(
         [block_len] * len(starts),
         [start + block_len for start in starts],
         block_tables,
         block_size,
-        torch.device(device),
-        causal=False,
+        torch.device(device or "cpu"),
+        causal=causal,
     )
 
 

@@ -36,6 +36,9 @@ class DraftCheckpoint:
     config: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     speculators: SpeculatorsConfig | None = field(default=None)
+    # Draft weights stored inside another checkpoint (the target's) under this name prefix; names
+    # in ``shapes`` and from :meth:`tensors` are given without it.
+    prefix: str = ""
 
     @classmethod
     def open(cls, model: str) -> DraftCheckpoint:
@@ -59,7 +62,25 @@ class DraftCheckpoint:
             raise ConfigError(FIELD, f"the weights of {path} cannot be read: {exc}", "repair or re-export the checkpoint") from None
         return cls(model, path, config, shapes, SpeculatorsConfig.from_config(config))
 
+    @classmethod
+    def embedded(cls, folder: Path, config_key: str, prefix: str) -> DraftCheckpoint | None:
+        """The draft a target checkpoint embeds: its config is the target's ``config_key`` entry
+        over the target's own fields, its tensors those under ``prefix``; None when it embeds none."""
+        folder = Path(folder)
+        try:
+            target_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        draft_config = target_config.get(config_key)
+        if not isinstance(draft_config, dict):
+            return None
+        base = {key: value for key, value in target_config.items() if key not in (config_key, "architectures", "auto_map")}
+        shapes = {name[len(prefix):]: shape for name, shape in checkpoint_shapes(folder).items() if name.startswith(prefix)}
+        return cls(str(folder), folder, {**base, **draft_config}, shapes, None, prefix)
+
     def describe(self) -> str:
+        if self.prefix:
+            return f"the draft weights under {self.prefix!r} in {str(self.path)!r}"
         return f"the draft checkpoint {str(self.path)!r}"
 
     def check_layout(
@@ -99,5 +120,10 @@ class DraftCheckpoint:
     def tensors(self, rename: Callable[[str], str] = lambda name: name, include: Callable[[str], bool] | None = None,
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(renamed name, tensor)`` pairs (CPU tensors)."""
-        for name, tensor in iter_checkpoint(self.path, include=include):
-            yield rename(name), tensor
+        prefix = self.prefix
+
+        def selected(name: str) -> bool:
+            return name.startswith(prefix) and (include is None or include(name[len(prefix):]))
+
+        for name, tensor in iter_checkpoint(self.path, include=selected):
+            yield rename(name[len(prefix):]), tensor

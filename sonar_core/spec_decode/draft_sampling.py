@@ -21,7 +21,7 @@ import torch
 from sonar_core.sample.processing import SamplingBatch, processed_probs
 from sonar_core.sample.sampler import draw_race_weights
 from sonar_core.sampling_params import SamplingParams
-from sonar_core.spec_decode.proposer import ProposalRequest
+from sonar_core.spec_decode.proposer import ProposalRequest, ProposerContext
 from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -42,6 +42,13 @@ class DraftSampler:
         self.vocab_map = vocab_map
         self.probabilistic = probabilistic
         self.device = device
+
+    @classmethod
+    def for_context(cls, vocab_map: DraftVocabularyMap, context: ProposerContext) -> DraftSampler:
+        """The sampler a learned head uses: probabilistic when the speculative config's
+        ``draft_sample_method`` asks for it, on the proposer's device."""
+        probabilistic = context.speculative_config.draft_sample_method == "probabilistic"
+        return cls(vocab_map, probabilistic, context.device)
 
     def batch_for(self, requests: list[ProposalRequest]) -> SamplingBatch | None:
         """The rows' sampling settings; None in greedy mode (argmax, no probabilities)."""

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from sonar_core.testing.layer_tensors import layer_tensors
+
 Layout = Literal["safeailab", "speculators"]
 
 
@@ -78,13 +80,13 @@ def build_eagle_head(
         if fc_bias:
             tensors["fc.bias"] = random(hidden)
         for index in range(num_layers):
-            tensors.update(_layer(f"layers.{index}.", layer_config, hidden, random, input_norm=index > 0))
+            tensors.update(layer_tensors(f"layers.{index}.", layer_config, hidden, random, input_norm=index > 0))
     else:
         first = "midlayer." if layout == "safeailab" else "layers.0."
-        tensors.update(_layer(first, layer_config, 2 * hidden, random, input_norm=True))
+        tensors.update(layer_tensors(first, layer_config, 2 * hidden, random, input_norm=True))
         tensors[first + "hidden_norm.weight"] = 1.0 + random(hidden) * 0.1
         for index in range(1, num_layers):
-            tensors.update(_layer(f"layers.{index}.", layer_config, hidden, random, input_norm=True))
+            tensors.update(layer_tensors(f"layers.{index}.", layer_config, hidden, random, input_norm=True))
         aux = aux_layers or [2, num_target_layers // 2, num_target_layers - 3]
         tensors["fc.weight"] = random(hidden, len(aux) * hidden)
         if norm_before_fc:
@@ -113,35 +115,6 @@ def build_eagle_head(
     )
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
-
-
-def _layer(prefix: str, config: dict[str, Any], input_size: int, random: Any, input_norm: bool) -> dict[str, torch.Tensor]:
-    """One Llama-family decoder layer in Hugging Face names (q/k/v read ``input_size`` values)."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    qkv_bias = config.get("model_type") == "qwen2" or bool(config.get("attention_bias"))
-    tensors = {
-        f"{prefix}self_attn.q_proj.weight": random(heads * head_dim, input_size),
-        f"{prefix}self_attn.k_proj.weight": random(kv_heads * head_dim, input_size),
-        f"{prefix}self_attn.v_proj.weight": random(kv_heads * head_dim, input_size),
-        f"{prefix}self_attn.o_proj.weight": random(hidden, heads * head_dim),
-        f"{prefix}mlp.gate_proj.weight": random(inter, hidden),
-        f"{prefix}mlp.up_proj.weight": random(inter, hidden),
-        f"{prefix}mlp.down_proj.weight": random(hidden, inter),
-        f"{prefix}post_attention_layernorm.weight": 1.0 + random(hidden) * 0.1,
-    }
-    if input_norm:
-        tensors[f"{prefix}input_layernorm.weight"] = 1.0 + random(hidden) * 0.1
-    if qkv_bias:
-        for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
-            tensors[f"{prefix}self_attn.{name}_proj.bias"] = random(rows * head_dim)
-    if config.get("model_type") == "qwen3":
-        tensors[f"{prefix}self_attn.q_norm.weight"] = 1.0 + random(head_dim) * 0.1
-        tensors[f"{prefix}self_attn.k_norm.weight"] = 1.0 + random(head_dim) * 0.1
-    return tensors
 
 
 def _config(

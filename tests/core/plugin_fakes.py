@@ -58,7 +58,7 @@ class FakeMethodPlugin:
 
     @hookimpl
     def sonar_claim_target_tensors(self, config: Any, target: Any) -> list[str] | None:
-        return list(self.claims) if config.method == self.name and self.claims else None
+        return list(self.claims) if config is not None and config.method == self.name and self.claims else None
 
 
 def fake_source(name: str, distribution: str | None = None, version: str = "1.0") -> PluginSource:

@@ -27,7 +27,7 @@ def test_plugins_lists_methods_aliases_distributions_and_versions(run_aphrodite)
     echo = next(line for line in lines if line.startswith("echo_test"))
     assert echo.split()[:4] == ["echo_test", "echo_alias", "sonar-test-plugin", "0.3.1"]
     assert next(line for line in lines if line.startswith("custom_class")).split()[1:3] == ["sonar-core", "0.1.0"]
-    assert "  dflash: pip install sonar-dflash" in lines
+    assert "  mtp: pip install sonar-mtp" in lines
 
 
 def test_plugins_as_json(run_aphrodite):
@@ -38,7 +38,7 @@ def test_plugins_as_json(run_aphrodite):
         "method": "echo_test", "aliases": ["echo_alias"], "distribution": "sonar-test-plugin", "version": "0.3.1",
         "description": "Test method: repeats the last token",
     }
-    assert data["not_installed"]["dflash"] == "sonar-dflash"
+    assert data["not_installed"]["mtp"] == "sonar-mtp"
     assert "deepseek_mtp" not in data["not_installed"]
 
 

@@ -60,7 +60,7 @@ def test_generate_reports_bad_json_the_same_way(run_aphrodite):
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [
-        ({"method": "dflash"}, ["speculative_config.method", "pip install sonar-dflash"]),
+        ({"method": "mtp"}, ["speculative_config.method", "pip install sonar-mtp"]),
         ({"method": "deepseek_mtp"}, ["speculative_config.method", "pip install sonar-mtp"]),
         ({"method": "echo_tset"}, ["Installed methods: custom_class, echo_test", "did you mean 'echo_test'?"]),
         ({"method": None}, ["speculative_config.method: no method is set"]),

@@ -112,7 +112,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--random-heads", action="store_true",
-        help="Give eagle, eagle3, medusa and mlp_speculator rows that name no model a random head for the target "
+        help="Give eagle, eagle3, medusa, mlp_speculator, dflash and dspark rows that name no model a random head for the target "
         "(built once, cached): its acceptance means nothing, its draft cost is real.",
     )
     group.add_argument(

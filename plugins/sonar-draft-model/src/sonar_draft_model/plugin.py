@@ -47,6 +47,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             create_proposer=create_proposer,
             description="A smaller causal language model drafts autoregressively",
             options_model=DraftModelOptions,
+            checkpoint_limits_context=True,
             draft_architectures=tuple(
                 DraftArchitecture(name, "Hugging Face causal LM (or GGUF)", "any checkpoint Sonar runs as a target")
                 for name in supported_architectures()

@@ -83,10 +83,10 @@ class EagleLayout:
         return name
 
     @staticmethod
-    def loaded_by_head(name: str) -> bool:
-        """Whether a checkpoint tensor is a head parameter (vocabulary maps and training-only
-        tensors are read or skipped separately)."""
-        return name not in ("d2t", "t2d") and name not in TRAINING_ONLY and not name.endswith("rotary_emb.inv_freq")
+    def skipped(name: str) -> bool:
+        """Tensors a checkpoint may carry that the head does not load (training-only ones, rotary
+        tables)."""
+        return name in TRAINING_ONLY or name.endswith("rotary_emb.inv_freq")
 
 
 def read_layout(checkpoint: DraftCheckpoint, method: str, target: TargetShape) -> EagleLayout:

@@ -54,8 +54,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     config = context.speculative_config
     checkpoint = DraftCheckpoint.open(config.model)
     head, vocab_map = load_head(checkpoint, config.method, context.target_modules, context.dtype, context.device)
-    sampler = DraftSampler(vocab_map, config.draft_sample_method == "probabilistic", context.device)
-    return ChainProposer(head, sampler)
+    return ChainProposer(head, DraftSampler.for_context(vocab_map, context))
 
 
 @hookimpl

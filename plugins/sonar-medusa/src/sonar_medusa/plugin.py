@@ -52,7 +52,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
         if token_map is not None
         else DraftVocabularyMap.identity(layout.vocab_size, context.device)
     )
-    return MedusaProposer(heads, DraftSampler(vocab_map, config.draft_sample_method == "probabilistic", context.device))
+    return MedusaProposer(heads, DraftSampler.for_context(vocab_map, context))
 
 
 @hookimpl

@@ -48,11 +48,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     target = context.target_modules
     checkpoint, layout = _checked(config.model, target.hidden_size, target.vocab_size)
     speculator = load_speculator(checkpoint, layout, context.dtype, context.device)
-    sampler = DraftSampler(
-        DraftVocabularyMap.identity(layout.vocab_size, context.device),
-        config.draft_sample_method == "probabilistic",
-        context.device,
-    )
+    sampler = DraftSampler.for_context(DraftVocabularyMap.identity(layout.vocab_size, context.device), context)
     return MLPSpeculatorProposer(speculator, sampler, max_depth=None if layout.tie_weights else layout.n_predict)
 
 
