@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sonar_core.config.quantization import checkpoint_quantization
 from sonar_core.errors import ConfigError
 from sonar_core.model_files import resolve_model_path
 
@@ -78,7 +79,12 @@ class TargetInfo:
     def from_hf_config(
         cls, config: Mapping[str, Any], *, tensor_parallel_size: int = 1, source: str = ""
     ) -> TargetInfo:
-        """From a config.json dict; multimodal configs are read through their ``text_config``."""
+        """From a config.json dict; multimodal configs are read through their ``text_config``.
+
+        A quantization the checkpoint readers cannot dequantize is a :class:`ConfigError` here, so
+        it fails the configuration check instead of the weight loading.
+        """
+        checkpoint_quantization(config, source=source)
         text = config.get("text_config")
         text = text if isinstance(text, Mapping) else {}
 
@@ -149,6 +155,12 @@ class TargetInfo:
     @property
     def num_layers(self) -> int | None:
         return _positive_int(self.config_value("num_hidden_layers"))
+
+    @property
+    def checkpoint_folder(self) -> Path | None:
+        """The Hugging Face folder the config was read from (None for a GGUF file or a bare config):
+        where weights a proposer finds inside the target (MTP layers, embedded drafts) live."""
+        return Path(self.source).parent if self.source.endswith("config.json") else None
 
 
 def target_info_for(model: str | None, *, tensor_parallel_size: int = 1, field: str = "model") -> TargetInfo:

@@ -17,7 +17,7 @@ CUDA_ACTIVATION_RESERVE_BYTES = 1 << 30
 def bytes_per_block(specs: list[KVLayerSpec], block_size: int, dtype: torch.dtype) -> int:
     """Key + value bytes of one block across every layer that shares the block tables."""
     element = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * s.num_kv_heads * s.head_dim * element for s in specs)
+    return sum(block_size * s.elements_per_token * element for s in specs)
 
 
 def plan_kv_blocks(

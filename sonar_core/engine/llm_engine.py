@@ -122,6 +122,7 @@ class LLMEngine:
                 self.device,
                 adaptive_depth=plan.adaptive_depth,
                 attention_backend=self._attention_backend(speculative.config.attention_backend),
+                target_kv_caches=caches[: len(target_specs)],
             )
         self.verifier = Verifier(self.device)
         self.timing = StepTiming()
@@ -189,7 +190,7 @@ class LLMEngine:
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty; send at least one token")
-        vocab = self.hf_config.vocab_size
+        vocab = self.hf_config.get_text_config(decoder=True).vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

@@ -11,10 +11,26 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class KVLayerSpec:
-    """Shape of one attention layer's KV cache (a target layer, or one a proposer owns)."""
+    """Shape of one attention layer's KV cache (a target layer, or one a proposer owns).
+
+    ``value_head_dim`` is the width of a value head when it differs from the key's (``None``: the
+    same as ``head_dim``). Multi-head latent attention stores everything it needs in the key cache
+    and sets it to 0, so its value cache takes no memory.
+    """
 
     num_kv_heads: int
     head_dim: int
+    value_head_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        """The width of a value head."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    @property
+    def elements_per_token(self) -> int:
+        """Key plus value elements one token occupies in this layer."""
+        return self.num_kv_heads * (self.head_dim + self.value_dim)
 
 
 def allocate_kv_cache(
@@ -24,7 +40,8 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[KVCache]:
-    """One zero-filled ``(k_cache, v_cache)`` pair per spec.
+    """One zero-filled ``(k_cache, v_cache)`` pair per spec: ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` for keys and the same with ``value_dim`` for values.
 
     Zero, not empty: the context read gathers whole blocks, and the unwritten tail of a sequence's
     last block is masked out of the softmax. Masked garbage is harmless unless it is NaN/Inf, which
@@ -32,8 +49,11 @@ def allocate_kv_cache(
     """
     caches = []
     for spec in specs:
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks, block_size, spec.num_kv_heads)
         caches.append(
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros((*shape, spec.head_dim), dtype=dtype, device=device),
+                torch.zeros((*shape, spec.value_dim), dtype=dtype, device=device),
+            )
         )
     return caches

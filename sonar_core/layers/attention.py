@@ -15,6 +15,12 @@ per step in :meth:`AttentionMetadata.build` and reused by every layer, so a laye
 Grouped-query attention is done without repeating K/V: the query heads that share a KV head are
 folded into the query-length axis (``[B, kv_heads, n_rep * max_query_len, head_dim]``), so one KV
 head serves its whole group in a single batched matmul.
+
+Sliding-window layers (``PagedAttention(..., sliding_window=W)``) see only the keys of the last
+``W`` positions up to and including the query's own (key position ``> query position - W``), as
+transformers' ``sliding_window`` defines it. The window is one more mask term, built once per step
+and window size (:meth:`AttentionMetadata.window_mask`); layers without a window never build it.
+The cache keeps every position of a windowed layer: older keys are masked, not evicted.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class AttentionMetadata:
     # every query may see every key of its row (pure decode of equal-length sequences).
     attn_mask: torch.Tensor | None = None
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_seqs == 0:  # constructed directly, not through build()
@@ -177,6 +184,7 @@ class AttentionMetadata:
         self.max_seq_len = max_seq_len
         self.context_block_ids = self.block_tables[:, :num_blocks].reshape(-1)
         self._grouped_masks = {}
+        self._window_masks = {}
 
         uniform_queries = all(q == max_query_len for q in query_lens)
         if uniform_queries:
@@ -215,21 +223,60 @@ class AttentionMetadata:
             mask = self._grouped_masks[n_rep] = self.attn_mask.repeat(1, 1, n_rep, 1)
         return mask
 
+    def window_mask(self, window: int, n_rep: int = 1) -> torch.Tensor | None:
+        """:attr:`attn_mask` further limited to keys less than ``window`` positions behind their
+        query; for ``n_rep > 1`` in the grouped-query layout like :meth:`grouped_mask`. Built on the
+        device (no host read) once per step, window and group size.
+        """
+        if window >= self.max_seq_len:  # no query is far enough from position 0 to lose a key
+            return self.attn_mask if n_rep == 1 else self.grouped_mask(n_rep)
+        mask = self._window_masks.get((window, n_rep))
+        if mask is None:
+            mask = self._recent_keys(window) if n_rep == 1 else self.window_mask(window).repeat(1, 1, n_rep, 1)
+            self._window_masks[(window, n_rep)] = mask
+        return mask
+
+    def _recent_keys(self, window: int) -> torch.Tensor:
+        """``[B, 1, max_query_len, max_seq_len]`` bool: :attr:`attn_mask` and ``key > query - window``."""
+        device = self.seq_lens.device
+        query_lens = (self.query_start_loc[1:] - self.query_start_loc[:-1])[:, None]
+        last = (self.seq_lens - 1)[:, None]
+        # Query j of row b sits at seq_len - query_len + j; padding rows (j >= query_len) take the
+        # last real query's window, so no row is left without a key.
+        offsets = torch.arange(self.max_query_len, device=device)[None, :]
+        query_pos = torch.minimum(last - query_lens + 1 + offsets, last)  # [B, Q]
+        key_pos = torch.arange(self.max_seq_len, device=device)
+        recent = (key_pos[None, None, :] > (query_pos - window)[:, :, None])[:, None]
+        return recent if self.attn_mask is None else recent & self.attn_mask
+
 
 class PagedAttention(nn.Module):
     """Writes a step's new K/V into the paged cache, then attends the new queries over each
     sequence's whole context (earlier tokens plus the new ones), with grouped-query heads.
+
+    ``sliding_window``: attend only to the last ``sliding_window`` positions (see the module
+    docstring); ``None`` attends to the whole context.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of positions, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.n_rep = num_heads // num_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
 
     def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
         """Write ``[T, num_kv_heads, head_dim]`` keys and values at their flat cache slots, without
@@ -249,9 +296,15 @@ class PagedAttention(nn.Module):
         """``q`` ``[T, num_heads, head_dim]``, ``k``/``v`` ``[T, num_kv_heads, head_dim]`` (positions
         already applied) -> ``[T, num_heads * head_dim]``.
         """
+        self.store(k, v, kv_cache, metadata.slot_mapping)
+        return self.attend(q, kv_cache, metadata)
+
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attend ``q`` ``[T, num_heads, head_dim]`` over the context already in ``kv_cache``, writing
+        nothing: a layer that reads another layer's cache (KV sharing) queries it this way."""
         k_cache, v_cache = kv_cache
         kv_heads, head_dim, n_rep = self.num_kv_heads, self.head_dim, self.n_rep
-        self.store(k, v, kv_cache, metadata.slot_mapping)
+        window = self.sliding_window
 
         num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
         ids = metadata.context_block_ids
@@ -262,8 +315,9 @@ class PagedAttention(nn.Module):
 
         if max_q == 1:
             # Pure decode: [B, heads, D] is already [B, kv_heads, n_rep, D] grouped; no copies.
+            mask = metadata.attn_mask if window is None else metadata.window_mask(window)
             out = F.scaled_dot_product_attention(
-                q.view(num_seqs, kv_heads, n_rep, head_dim), keys, values, attn_mask=metadata.attn_mask, scale=self.scale
+                q.view(num_seqs, kv_heads, n_rep, head_dim), keys, values, attn_mask=mask, scale=self.scale
             )
             return out.reshape(num_seqs, self.num_heads * head_dim)
 
@@ -274,7 +328,8 @@ class PagedAttention(nn.Module):
         # becomes one block of rows.
         q = q.reshape(num_seqs, max_q, kv_heads, n_rep, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(num_seqs, kv_heads, n_rep * max_q, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=metadata.grouped_mask(n_rep), scale=self.scale)
+        mask = metadata.grouped_mask(n_rep) if window is None else metadata.window_mask(window, n_rep)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         # [B, kv_heads, n_rep, Q, D] -> [B, Q, heads * D]
         out = out.view(num_seqs, kv_heads, n_rep, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_q, self.num_heads * head_dim)

@@ -21,7 +21,7 @@ from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import apply_rotary
 
-ACTIVATIONS = {"silu": F.silu}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class DecoderLayerConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     hidden_act: str = "silu"
+    # Sliding-window layers (Qwen2/Qwen3 layer_types): keys this many positions behind are masked.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -82,7 +84,9 @@ class SelfAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attn = PagedAttention(
+            config.num_heads, config.num_kv_heads, config.head_dim, sliding_window=config.sliding_window
+        )
 
     def forward(
         self,

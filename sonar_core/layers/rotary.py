@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) with the ``default``, ``linear`` and ``llama3`` frequency rules.
+"""Rotary position embeddings (RoPE) with the ``default``, ``linear``, ``llama3`` and ``proportional``
+frequency rules.
 
 The cos/sin tables are computed once per forward from the step's positions and shared by every
 layer, so the per-layer cost is three element-wise ops on q and k together.
@@ -7,12 +8,13 @@ layer, so the per-layer cost is three element-wise ops on q and k together.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # proportional only (Gemma 4's full-attention layers): the share of each head that rotates.
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, head_dim: int) -> RopeConfig:
@@ -40,13 +44,23 @@ class RopeConfig:
         if params is None:
             params = dict(getattr(hf_config, "rope_scaling", None) or {})
             params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return cls.from_parameters(params, head_dim, getattr(hf_config, "max_position_embeddings", 8192))
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, Any], head_dim: int, max_position_embeddings: int) -> RopeConfig:
+        """Read one ``rope_parameters`` dict (families with several rotary embeddings, such as
+        Gemma 4's per layer type, keep one such dict per embedding)."""
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+        partial = float(params.get("partial_rotary_factor", 1.0))
+        if partial != 1.0 and rope_type != "proportional":
+            raise ValueError(
+                f"partial rotary embeddings (partial_rotary_factor != 1) are supported only with rope type "
+                f"'proportional', not {rope_type!r}"
+            )
         return cls(
             head_dim=head_dim,
             theta=float(params.get("rope_theta", 10000.0)),
@@ -54,10 +68,8 @@ class RopeConfig:
             factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings")
-                or getattr(hf_config, "max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings") or max_position_embeddings),
+            partial_rotary_factor=partial,
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -68,6 +80,12 @@ class RopeConfig:
             return inv_freq / self.factor
         if self.rope_type == "llama3":
             return self._llama3(inv_freq)
+        if self.rope_type == "proportional":
+            # The first partial_rotary_factor of the frequencies (exponents still over the whole
+            # head), the rest zero: those dimension pairs keep cos 1, sin 0 and pass unrotated.
+            rotated = int(self.partial_rotary_factor * self.head_dim // 2)
+            inv_freq[rotated:] = 0.0
+            return inv_freq / self.factor
         return inv_freq
 
     def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Target model implementations (Llama, Qwen2, Qwen3), their registry and checkpoint loading."""
+"""Target model implementations (Llama, Qwen2, Qwen3, DeepSeek-V3, Gemma 4), their registry and checkpoint
+loading."""
 
 from sonar_core.models.base import CausalLM
 from sonar_core.models.loader import (

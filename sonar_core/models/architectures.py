@@ -1,9 +1,11 @@
-"""The built-in architectures: Llama (SmolLM2, Llama 3), Qwen2 and Qwen3 as configurations of
+"""The built-in architectures: Llama (SmolLM2, Llama 3), Qwen2 (and MiMo) and Qwen3 as configurations of
 :class:`~sonar_core.models.transformer.DecoderOnlyLM`.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from sonar_core.layers.decoder import DecoderLayerConfig
@@ -39,13 +41,28 @@ class LlamaForCausalLM(DecoderOnlyLM):
 class Qwen2ForCausalLM(DecoderOnlyLM):
     """Qwen2 / Qwen2.5: biases on q/k/v only."""
 
+    honours_sliding_window = True
+
     @classmethod
     def layer_config(cls, hf_config: Any) -> DecoderLayerConfig:
         return _common(hf_config, qkv_bias=True)
 
 
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    """Xiaomi MiMo-7B: a Qwen2 model whose checkpoint adds MTP layers (``model.mtp_layers.*``, the
+    MTP proposer's) and names remote code for model_type ``mimo``, which transformers does not
+    know: the config is read as Qwen2's, keeping MiMo's own keys (``num_nextn_predict_layers``)."""
+
+    @classmethod
+    def read_hf_config(cls, model_dir: Path) -> Any:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return hf_config_from_dict({**config, "model_type": "qwen2"})
+
+
 class Qwen3ForCausalLM(DecoderOnlyLM):
     """Qwen3 (dense): per-head RMSNorm of q and k before RoPE, ``head_dim`` from the config."""
+
+    honours_sliding_window = True
 
     @classmethod
     def layer_config(cls, hf_config: Any) -> DecoderLayerConfig:
@@ -53,7 +70,7 @@ class Qwen3ForCausalLM(DecoderOnlyLM):
         return _common(hf_config, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-for _cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+for _cls in (LlamaForCausalLM, Qwen2ForCausalLM, MiMoForCausalLM, Qwen3ForCausalLM):
     register_architecture(_cls.__name__, _cls)
 
 # Families by model_type, for configs that describe layers rather than a whole checkpoint (the
@@ -90,3 +107,7 @@ def layer_config_for(hf_config: Any) -> DecoderLayerConfig:
             f"(supported: {', '.join(LAYER_FAMILIES)})"
         )
     return family.layer_config(hf_config)
+
+
+# Architectures with layers of their own register themselves when imported.
+from sonar_core.models import deepseek_v3, gemma4  # noqa: E402, F401

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,10 @@ class TargetModules:
     hidden_size: int
     vocab_size: int
     num_layers: int
+    # Attention kind ("sliding_attention", "full_attention") -> index into the target's KV caches of
+    # the last layer of that kind that writes its own: what a proposer whose layers attend over the
+    # target's KV reads (Gemma 4 assistants). Empty for models that offer none.
+    kv_producers: Mapping[str, int] = field(default_factory=dict)
 
 
 class CausalLM(nn.Module, ABC):
@@ -58,6 +63,14 @@ class CausalLM(nn.Module, ABC):
         model.tie_weights()
         return model.eval().requires_grad_(False)
 
+    @classmethod
+    def read_hf_config(cls, model_dir: Path) -> Any:
+        """The transformers config of a checkpoint folder of this class. Families whose model_type
+        transformers does not know (their checkpoints name remote code) override it."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
     def tie_weights(self) -> None:  # noqa: B027 - models without tied weights need nothing
         """Re-point tied parameters at each other (after a device move broke the sharing)."""
 
@@ -74,9 +87,10 @@ class CausalLM(nn.Module, ABC):
         """Run the decoder over one flattened batch.
 
         ``input_ids`` ``[T]`` (or ``inputs_embeds`` ``[T, H]``), ``positions`` ``[T]``, one
-        ``(k_cache, v_cache)`` per decoder layer. Returns the final normed hidden states ``[T, H]``.
-        When ``capture`` is given, the residual-stream states it asks for (``capture.record(k, h)``
-        after ``k`` layers, ``k = 0`` for the embeddings) are written into its buffer on the way.
+        ``(k_cache, v_cache)`` per entry of :meth:`kv_cache_specs`, in that order. Returns the final
+        normed hidden states ``[T, H]``. When ``capture`` is given, the residual-stream states it asks
+        for (``capture.record(k, h)`` after ``k`` layers, ``k = 0`` for the embeddings) are written
+        into its buffer on the way.
         """
 
     @abstractmethod
@@ -93,7 +107,10 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def kv_cache_specs(self) -> list[KVLayerSpec]:
-        """One spec per decoder layer, in layer order (the order of ``kv_caches``)."""
+        """One spec per KV cache the model's layers write, in layer order (the order of
+        ``kv_caches``): one per decoder layer, except in models whose layers share caches (Gemma 4's
+        KV-sharing layers read an earlier layer's cache and have no entry). The engine allocates
+        exactly these caches and passes them to :meth:`forward`."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -29,7 +29,7 @@ class LoadedModel:
     model: CausalLM  # on device, eval(), in dtype
     hf_config: Any  # transformers PretrainedConfig
     model_dir: Path  # folder with config.json + tokenizer files (for AutoTokenizer)
-    max_model_len: int  # from max_position_embeddings
+    max_model_len: int  # from max_position_embeddings (of text_config for multimodal configs)
     eos_token_ids: list[int]  # from generation_config.json / config (may be several)
 
 
@@ -62,6 +62,16 @@ def eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
     return list(dict.fromkeys(int(v) for v in values))
 
 
+def read_hf_config(model_dir: Path) -> tuple[type[CausalLM], Any]:
+    """The model class of a checkpoint folder and its transformers config.
+
+    The architecture is checked on the raw JSON first: transformers fails with a less helpful
+    message on a model_type it does not know.
+    """
+    cls = get_model_class(json.loads((Path(model_dir) / "config.json").read_text()))
+    return cls, cls.read_hf_config(Path(model_dir))
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype,
@@ -74,13 +84,8 @@ def load_model(
     shipped inside the target checkpoint) and are not the model's; every other tensor must match
     the model exactly.
     """
-    from transformers import AutoConfig
-
     model_dir = prepare_model_dir(resolve_model_path(model))
-    # Check the architecture on the raw JSON first: AutoConfig fails with a less helpful message
-    # on a model_type it does not know.
-    cls = get_model_class(json.loads((model_dir / "config.json").read_text()))
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls, hf_config = read_hf_config(model_dir)
     net = cls.create(hf_config, dtype, torch.device(device))
     claimed = claimed_by(claimed_prefixes)
     net.load_weights(iter_checkpoint(model_dir, include=lambda name: not claimed(name)))
@@ -88,14 +93,22 @@ def load_model(
         model=net,
         hf_config=hf_config,
         model_dir=model_dir,
-        max_model_len=int(hf_config.max_position_embeddings),
+        # A multimodal config keeps the decoder's length in its text_config.
+        max_model_len=int(hf_config.get_text_config(decoder=True).max_position_embeddings),
         eos_token_ids=eos_token_ids(model_dir, hf_config),
     )
 
 
 def load_tokenizer(loaded_or_dir: LoadedModel | str | Path) -> Any:
-    """The Hugging Face tokenizer of a loaded model or model folder (offline)."""
+    """The Hugging Face tokenizer of a loaded model or model folder (offline).
+
+    The model's config is handed over so that transformers does not re-read config.json, which
+    it cannot parse for families it does not know (MiMo's model_type ``mimo``).
+    """
     from transformers import AutoTokenizer
 
-    model_dir = loaded_or_dir.model_dir if isinstance(loaded_or_dir, LoadedModel) else loaded_or_dir
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if isinstance(loaded_or_dir, LoadedModel):
+        model_dir, hf_config = loaded_or_dir.model_dir, loaded_or_dir.hf_config
+    else:
+        model_dir, hf_config = Path(loaded_or_dir), read_hf_config(Path(loaded_or_dir))[1]
+    return AutoTokenizer.from_pretrained(str(model_dir), config=hf_config, local_files_only=True)

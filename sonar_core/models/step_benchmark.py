@@ -41,7 +41,8 @@ def compare(
     ours = loaded.model
     theirs = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=dtype).eval()
     longest = context + max(new_tokens)
-    ids = torch.randint(0, loaded.hf_config.vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
+    vocab_size = loaded.hf_config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(0, vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
     block_size = 16
     table = list(range(-(-longest // block_size)))
     caches = allocate_kv_cache(ours.kv_cache_specs(), len(table), block_size, dtype, "cpu")

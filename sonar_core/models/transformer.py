@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -26,17 +27,31 @@ from sonar_core.models.weights import load_named_weights
 
 
 class DecoderStack(nn.Module):
-    """Embedding, decoder layers and final norm (the ``model.`` prefix of the checkpoint)."""
+    """Embedding, decoder layers and final norm (the ``model.`` prefix of the checkpoint).
 
-    def __init__(self, vocab_size: int, num_layers: int, layer_config: DecoderLayerConfig) -> None:
+    ``sliding_windows``: one entry per layer, the layer's window or None for full attention.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_layers: int,
+        layer_config: DecoderLayerConfig,
+        sliding_windows: list[int | None] | None = None,
+    ) -> None:
         super().__init__()
+        windows = sliding_windows or [None] * num_layers
         self.embed_tokens = nn.Embedding(vocab_size, layer_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(layer_config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(replace(layer_config, sliding_window=w)) for w in windows)
         self.norm = RMSNorm(layer_config.hidden_size, layer_config.rms_norm_eps)
 
 
 class DecoderOnlyLM(CausalLM):
     """A pre-norm decoder-only language model; subclasses implement :meth:`layer_config`."""
+
+    # Whether the family's sliding-window layers (``layer_types`` with ``sliding_window``, as Qwen2
+    # and Qwen3 configs state them) are implemented; other families refuse such configs.
+    honours_sliding_window: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -45,12 +60,14 @@ class DecoderOnlyLM(CausalLM):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        _reject_sliding_window(hf_config)
+        if not self.honours_sliding_window:
+            _reject_sliding_window(hf_config)
         self.hf_config = hf_config
         self.config = self.layer_config(hf_config)
         self.num_layers = hf_config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = DecoderStack(hf_config.vocab_size, self.num_layers, self.config)
+        windows = layer_sliding_windows(hf_config) if self.honours_sliding_window else None
+        self.model = DecoderStack(hf_config.vocab_size, self.num_layers, self.config, windows)
         self.lm_head = Linear(self.config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(RopeConfig.from_hf_config(hf_config, self.config.head_dim))
         self.tie_weights()
@@ -107,6 +124,25 @@ class DecoderOnlyLM(CausalLM):
         drop_prepacked(self)
         load_named_weights(self, weights, fused_projections(self.config), ignore)
         prepack_linears(self)
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' Qwen2/Qwen3 apply it:
+    ``sliding_window`` on the layers ``layer_types`` marks ``sliding_attention``. Configs without
+    ``layer_types`` derive them from ``use_sliding_window`` and ``max_window_layers``."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        use = bool(getattr(hf_config, "use_sliding_window", False))
+        first = getattr(hf_config, "max_window_layers", 0) or 0
+        layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {num_layers}")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (supported: sliding_attention, full_attention)")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def _reject_sliding_window(hf_config: Any) -> None:

@@ -23,7 +23,6 @@ enough for float32 rounding to flip an argmax (which would make exact-match test
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import random
 import re
@@ -36,7 +35,39 @@ from safetensors.torch import save_file
 
 from sonar_core.models.weights import BIN_INDEX, BIN_SINGLE, SAFETENSORS_INDEX, iter_checkpoint, weight_files
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "deepseek_v3", "gemma4_text", "gemma4")
+# Tiny values for family-specific keys whose transformers defaults are full size (256 experts).
+# DeepSeek-V3: MLA ranks and head widths, 8 routed experts in 2 groups, one dense layer first.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16,
+    ),
+    # Gemma 4: full layers with twice the sliding head size, 8-wide per-layer inputs, a window of
+    # 8 positions, the released rope rules (proportional, a quarter rotated, on full layers).
+    "gemma4_text": dict(
+        global_head_dim=32, hidden_size_per_layer_input=8, sliding_window=8,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+    ),
+}
+# Multimodal model_types: (the text model_type that gets the tiny shape, as its text_config; the
+# outer config's own defaults, a tiny vision tower). config_overrides of these outer keys stay outer.
+_MULTIMODAL: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma4": (
+        "gemma4_text",
+        {
+            "vision_config": dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
+            ),
+            "audio_config": None,
+        },
+    ),
+}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -126,16 +157,13 @@ def _config(
     eos_token_id: int,
     pad_token_id: int,
     rope_parameters: dict[str, Any] | None,
+    config_overrides: dict[str, Any] | None,
 ) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """The transformers config of ``arch`` (a model_type) with the shared tiny shape, then
+    ``config_overrides`` (family-specific keys, which win over the shared ones)."""
+    from transformers import AutoConfig
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_parameters or {})}
-    if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
-        rope_kwargs: dict[str, Any] = {"rope_parameters": rope}
-    else:  # transformers 4.x spelling
-        rope_kwargs = {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
-    return config_cls(
+    values: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -150,8 +178,31 @@ def _config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **rope_kwargs,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope_parameters or {})},
     )
+    text_arch, outer = _MULTIMODAL.get(arch, (arch, None))
+    overrides = dict(config_overrides or {})
+    outer_values = {key: overrides.pop(key) for key in list(overrides) if outer is not None and key in outer}
+    values.update(_FAMILY_DEFAULTS.get(text_arch, {}))
+    values.update(overrides)
+    values.update({k: v for k, v in _derived_keys(text_arch, values).items() if k not in overrides})
+    if outer is None:
+        return AutoConfig.for_model(arch, **values)
+    shared = {key: values[key] for key in ("tie_word_embeddings", "initializer_range")}  # read from the outer one
+    return AutoConfig.for_model(arch, text_config=values, **shared, **{**outer, **outer_values})
+
+
+def _derived_keys(arch: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Keys a family derives from others, which the shared tiny shape must not contradict.
+
+    DeepSeek-V3: ``head_dim`` is the rotary width (transformers computes the rope frequencies from
+    it), and MLA has one key head per query head.
+    """
+    if arch == "deepseek_v3":
+        return {"head_dim": values["qk_rope_head_dim"], "num_key_value_heads": values["num_attention_heads"]}
+    if arch == "gemma4_text":  # one per-layer embedding row per token
+        return {"vocab_size_per_layer_input": values["vocab_size"]}
+    return {}
 
 
 def build_tiny_checkpoint(
@@ -172,15 +223,18 @@ def build_tiny_checkpoint(
     intermediate_size: int | None = None,
     init_std: float = 0.3,
     rope_parameters: dict[str, Any] | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random ``arch`` checkpoint ("llama", "qwen2" or "qwen3") with a tokenizer to ``path``.
+    """Write a random ``arch`` checkpoint (a model_type of :data:`ARCHITECTURES`) with a tokenizer
+    to ``path``.
 
     ``tokenizer``: ``"bytelevel"`` trains a byte-level BPE of exactly ``vocab_size`` tokens; a path
     copies that folder's tokenizer instead (``vocab_size`` must then be at least its length; use it
     to give a tiny model the vocabulary of a real one). ``sharded`` splits the safetensors into
     several shards with an index. ``head_dim`` defaults to ``hidden_size // num_heads``,
     ``intermediate_size`` to ``2 * hidden_size``. ``rope_parameters`` overrides the rope settings
-    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``). Returns ``path``.
+    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``); ``config_overrides`` sets any other
+    config key (a family's own: MoE sizes, layer types). Returns ``path``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,6 +263,7 @@ def build_tiny_checkpoint(
         eos_token_id=hf_tokenizer.eos_token_id,
         pad_token_id=hf_tokenizer.pad_token_id,
         rope_parameters=rope_parameters,
+        config_overrides=config_overrides,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

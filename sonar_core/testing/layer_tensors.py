@@ -1,12 +1,17 @@
 """Random tensors of one Llama-family decoder layer in Hugging Face names, for the test kit's
-draft-checkpoint builders (EAGLE, DFlash, DSpark heads are made of such layers)."""
+draft-checkpoint builders (EAGLE, DFlash, DSpark heads and MTP layers are made of such layers), and
+a copy of a target checkpoint with draft tensors added (weights a target ships for a proposer)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def layer_tensors(
@@ -38,3 +43,18 @@ def layer_tensors(
         tensors[f"{prefix}self_attn.q_norm.weight"] = 1.0 + random(head_dim) * 0.1
         tensors[f"{prefix}self_attn.k_norm.weight"] = 1.0 + random(head_dim) * 0.1
     return tensors
+
+
+def copy_with_tensors(
+    target_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], config_updates: dict[str, Any]
+) -> Path:
+    """A copy of a single-file checkpoint with ``tensors`` added to its weights and
+    ``config_updates`` merged into its config.json; returns ``out_dir``."""
+    shutil.copytree(target_dir, out_dir)
+    weights = load_file(out_dir / "model.safetensors")
+    weights.update({name: tensor.contiguous() for name, tensor in tensors.items()})
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(config_updates)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

@@ -38,6 +38,25 @@ CASES = [
         },
         id="llama3-rope",
     ),
+    # Sliding-window layers with windows shorter than the prompts, the chunks and the decode history.
+    pytest.param(
+        "qwen3",
+        False,
+        {
+            "config_overrides": {
+                "use_sliding_window": True,
+                "sliding_window": 3,
+                "layer_types": ["sliding_attention", "full_attention"],
+            }
+        },
+        id="qwen3-sliding-layer-types",
+    ),
+    pytest.param(
+        "qwen2",
+        True,
+        {"config_overrides": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}},
+        id="qwen2-sliding-max-window-layers",
+    ),
 ]
 
 

@@ -15,8 +15,9 @@ from sonar_core.layers.rotary import RopeConfig
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
 
-def naive_attention(q, keys, values, query_len, causal):
-    """One sequence: q [q_len, H, D] over keys/values [L, Hkv, D] (the last q_len are the new ones)."""
+def naive_attention(q, keys, values, query_len, causal, window=None):
+    """One sequence: q [q_len, H, D] over keys/values [L, Hkv, D] (the last q_len are the new ones);
+    ``window``: each query sees only keys less than ``window`` positions behind it."""
     rep = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(rep, dim=1)
     values = values.repeat_interleave(rep, dim=1)
@@ -25,6 +26,9 @@ def naive_attention(q, keys, values, query_len, causal):
     if causal:
         query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
         scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    if window is not None:
+        query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] <= query_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(query_len, -1)
 
 
@@ -53,7 +57,7 @@ class Scenario:
                 self.cache[0][block, offset] = keys[pos]
                 self.cache[1][block, offset] = values[pos]
 
-    def run(self, causal, device="cpu"):
+    def run(self, causal, device="cpu", window=None):
         metadata = AttentionMetadata.build(
             self.query_lens, self.seq_lens, self.tables, BLOCK, torch.device(device), causal
         )
@@ -62,13 +66,14 @@ class Scenario:
         k = torch.cat([keys[n] for keys, n in zip(self.keys, new, strict=True)])
         v = torch.cat([values[n] for values, n in zip(self.values, new, strict=True)])
         cache = tuple(c.to(device) for c in self.cache)  # the cache itself on the CPU
-        out = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)(q.to(device), k.to(device), v.to(device), cache, metadata)
+        attention = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+        out = attention(q.to(device), k.to(device), v.to(device), cache, metadata)
         return out.cpu(), metadata
 
-    def reference(self, causal):
+    def reference(self, causal, window=None):
         return torch.cat(
             [
-                naive_attention(q, keys, values, len(q), causal)
+                naive_attention(q, keys, values, len(q), causal, window)
                 for q, keys, values in zip(self.q, self.keys, self.values, strict=True)
             ]
         )
@@ -95,15 +100,38 @@ def test_paged_attention_matches_reference(context_lens, query_lens, causal):
     torch.testing.assert_close(out, scenario.reference(causal), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [1, 3, 8])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("context_lens,query_lens", SHAPES)
-def test_paged_attention_on_cuda_matches_reference(context_lens, query_lens, causal):
+def test_sliding_window_matches_reference(context_lens, query_lens, causal, window):
+    """Windows shorter than the prompt, than a prefill chunk, and of one position (the query alone)."""
     scenario = Scenario(context_lens, query_lens)
-    out, _ = scenario.run(causal, device="cuda")
+    out, _ = scenario.run(causal, window=window)
+    torch.testing.assert_close(out, scenario.reference(causal, window), rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_mask_from_device_metadata_equals_build():
+    """Chained draft steps build decode metadata on the device; its window mask must agree."""
+    positions, tables = [9, 2, 14], [[0, 1, 2], [3], [4, 5, 6, 7]]
+    built = AttentionMetadata.build([1, 1, 1], [p + 1 for p in positions], tables, BLOCK, torch.device("cpu"))
+    padded = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+    device = AttentionMetadata.decode_rows(torch.tensor(positions), padded, BLOCK, max_seq_len=15)
+    assert torch.equal(device.window_mask(4), built.window_mask(4))
+    assert device.window_mask(4)[:, 0, 0].sum(-1).tolist() == [4, 3, 4]
+    # A window that covers every key adds no mask term.
+    assert built.window_mask(15) is built.attn_mask
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("context_lens,query_lens", SHAPES)
+def test_paged_attention_on_cuda_matches_reference(context_lens, query_lens, causal, window):
+    scenario = Scenario(context_lens, query_lens)
+    out, _ = scenario.run(causal, device="cuda", window=window)
     # CUDA kernels order their reductions differently.
-    torch.testing.assert_close(out, scenario.reference(causal), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, scenario.reference(causal, window), rtol=1e-4, atol=1e-4)
 
 
 def test_new_tokens_are_written_to_their_slots():
@@ -181,6 +209,8 @@ def test_metadata_rejects_inconsistent_input(query_lens, seq_lens, tables, messa
 def test_gqa_requires_divisible_heads():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         PagedAttention(5, 2, 8)
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        PagedAttention(4, 2, 8, sliding_window=0)
 
 
 @pytest.mark.parametrize(

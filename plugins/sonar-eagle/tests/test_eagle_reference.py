@@ -18,22 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.testing.reference_ops import rms_norm, rope
 
 PROMPTS = [[5, 9, 12, 40, 7] * 6, [100, 3, 3, 8], list(range(20, 61)), [7] * 3 + list(range(300, 330))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
-    angles = positions[:, None].float() * inv_freq
-    cos, sin = torch.cat((angles.cos(), angles.cos()), -1)[:, None], torch.cat((angles.sin(), angles.sin()), -1)[:, None]
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
 
 
 class Reference:
@@ -65,7 +53,7 @@ class Reference:
         q = (z @ w[f"{prefix}self_attn.q_proj.weight"].T).view(-1, self.heads, head_dim)
         k = (z @ w[f"{prefix}self_attn.k_proj.weight"].T).view(-1, self.kv_heads, head_dim)
         v = (z @ w[f"{prefix}self_attn.v_proj.weight"].T).view(-1, self.kv_heads, head_dim)
-        q, k = _rope(q, positions, self.theta), _rope(k, positions, self.theta)
+        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
@@ -76,14 +64,14 @@ class Reference:
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        h = _rms(x, w[f"{prefix}post_attention_layernorm.weight"], self.eps)
+        h = rms_norm(x, w[f"{prefix}post_attention_layernorm.weight"], self.eps)
         gate, up = h @ w[f"{prefix}mlp.gate_proj.weight"].T, h @ w[f"{prefix}mlp.up_proj.weight"].T
         return x + (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}mlp.down_proj.weight"].T
 
     def _llama_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         prefix = f"layers.{index}."
         norm = self.w.get(f"{prefix}input_layernorm.weight")
-        h = _rms(x, norm, self.eps) if norm is not None else x  # EAGLE-1's first layer has no input norm
+        h = rms_norm(x, norm, self.eps) if norm is not None else x  # EAGLE-1's first layer has no input norm
         return self._mlp(prefix, x + self._attention(prefix, h, positions))
 
     def first_hidden(self, state: torch.Tensor) -> torch.Tensor:
@@ -98,13 +86,13 @@ class Reference:
         embeds = self.embed[tokens]
         if self.eagle3:
             w = self.w
-            normed = _rms(hidden, w["layers.0.hidden_norm.weight"], self.eps)
+            normed = rms_norm(hidden, w["layers.0.hidden_norm.weight"], self.eps)
             residual = normed if self.options.get("norm_before_residual") else hidden
-            z = torch.cat((_rms(embeds, w["layers.0.input_layernorm.weight"], self.eps), normed), -1)
+            z = torch.cat((rms_norm(embeds, w["layers.0.input_layernorm.weight"], self.eps), normed), -1)
             y = self._mlp("layers.0.", residual + self._attention("layers.0.", z, positions))
             for index in range(1, self.num_layers):
                 y = self._llama_layer(index, y, positions)
-            out = _rms(y, w["norm.weight"], self.eps)
+            out = rms_norm(y, w["norm.weight"], self.eps)
             logits = out[-1] @ w["lm_head.weight"].T
             return logits, (out if self.options.get("norm_output") else y)
         x = torch.cat((embeds, hidden), -1) @ self.w["fc.weight"].T

@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
         self.sampler = (
             None
             if vocab is not None
-            else DraftSampler(DraftVocabularyMap.identity(model.hf_config.vocab_size, device), probabilistic, device)
+            else DraftSampler(DraftVocabularyMap.identity(model.shared_modules().vocab_size, device), probabilistic, device)
         )
         self.capabilities = ProposerCapabilities(
             kv_layers=tuple(model.kv_cache_specs()), returns_draft_probs=probabilistic

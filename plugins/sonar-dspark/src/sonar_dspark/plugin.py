@@ -83,12 +83,6 @@ def _checked(
     return checkpoint, layout, spec
 
 
-def _target_folder(target: TargetInfo | None) -> Path | None:
-    if target is None or not target.source.endswith("config.json"):
-        return None
-    return Path(target.source).parent
-
-
 def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) -> Proposer:
     from sonar_core.spec_decode.block_proposer import BlockProposer
     from sonar_core.spec_decode.draft_sampling import DraftSampler
@@ -131,7 +125,7 @@ def sonar_default_num_speculative_tokens(config: SpeculativeConfig, target: Targ
     """The block size (the drafts one block makes)."""
     if config.method != METHOD or target is None:
         return None
-    return _checked(config.model, target, _target_folder(target))[1].drafts_per_block
+    return _checked(config.model, target, target.checkpoint_folder)[1].drafts_per_block
 
 
 @hookimpl
@@ -146,7 +140,7 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
     if target is None:
         return None
     options = DSparkOptions.model_validate(config.method_options)
-    checkpoint, layout, _ = _checked(config.model, target, _target_folder(target), options.confidence_threshold)
+    checkpoint, layout, _ = _checked(config.model, target, target.checkpoint_folder, options.confidence_threshold)
     if config.num_speculative_tokens < layout.block_size:
         raise ConfigError(
             "num_speculative_tokens",

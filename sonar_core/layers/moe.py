@@ -1,0 +1,203 @@
+"""Mixture of experts with shared experts and DeepSeek-V3's group-limited routing.
+
+Routing (in float32, whatever the model's dtype, as the reference computes it):
+
+1. ``scores = sigmoid(gate(x))``, one per routed expert;
+2. selection only: ``choice = scores + e_score_correction_bias``; experts are split into ``n_group``
+   groups, a group scores the sum of its two best ``choice`` values, the ``topk_group`` best groups
+   stay eligible and the ``num_experts_per_tok`` best eligible experts are picked;
+3. the weights are the picked experts' *uncorrected* ``scores``, normalised to sum 1 when
+   ``norm_topk_prob``, then multiplied by ``routed_scaling_factor``.
+
+``y = shared_experts(x) + sum_e weight_e * expert_e(x)``.
+
+Dispatch runs only the experts that received tokens: the (token, expert) pairs are sorted by
+expert once, each hit expert multiplies the rows of its tokens in one batch, and the pairs' outputs
+are summed per token with their weights (in float32). At decode that is ``num_experts_per_tok``
+small matmuls, with weights prepacked like every other projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonar_core.layers.decoder import DecoderLayerConfig, GatedMLP
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing rule of one MoE block."""
+
+    hidden_size: int
+    moe_intermediate_size: int  # per routed expert; a shared expert block is n_shared times wider
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.n_group <= 0 or self.num_experts % self.n_group:
+            raise ValueError(
+                f"MoE: n_routed_experts ({self.num_experts}) must be a positive multiple of n_group ({self.n_group})"
+            )
+        if self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"MoE: each of the n_group={self.n_group} expert groups needs at least 2 experts (a group "
+                f"scores its two best), got {self.num_experts // self.n_group}"
+            )
+        if not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"MoE: topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})")
+        eligible = self.topk_group * (self.num_experts // self.n_group)
+        if not 0 < self.num_experts_per_tok <= eligible:
+            raise ValueError(
+                f"MoE: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..{eligible} (the experts "
+                f"of topk_group={self.topk_group} groups)"
+            )
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> MoEConfig:
+        """Read a DeepSeek-V3-style config; refuses the other routing rules DeepSeek configs can name."""
+        scoring = getattr(hf_config, "scoring_func", "sigmoid")
+        topk_method = getattr(hf_config, "topk_method", "noaux_tc")
+        if scoring != "sigmoid" or topk_method != "noaux_tc":
+            raise ValueError(
+                f"MoE routing scoring_func={scoring!r}, topk_method={topk_method!r} is not supported "
+                "(supported: DeepSeek-V3's sigmoid / noaux_tc)"
+            )
+        return cls(
+            hidden_size=int(hf_config.hidden_size),
+            moe_intermediate_size=int(hf_config.moe_intermediate_size),
+            num_experts=int(hf_config.n_routed_experts),
+            num_experts_per_tok=int(hf_config.num_experts_per_tok),
+            num_shared_experts=int(getattr(hf_config, "n_shared_experts", None) or 0),
+            n_group=int(getattr(hf_config, "n_group", None) or 1),
+            topk_group=int(getattr(hf_config, "topk_group", None) or 1),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+            routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0)),
+            hidden_act=hf_config.hidden_act,
+        )
+
+
+def gated_mlp(hidden_size: int, intermediate_size: int, hidden_act: str) -> GatedMLP:
+    """A ``down(act(gate(x)) * up(x))`` block of the given widths (GatedMLP reads only the MLP
+    fields of its layer config)."""
+    config = DecoderLayerConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        hidden_act=hidden_act,
+    )
+    return GatedMLP(config)
+
+
+def mlp_fused_projections(prefix: str, intermediate_size: int) -> dict[str, tuple[str, int, int]]:
+    """``{prefix}gate_proj`` and ``{prefix}up_proj`` stacked into ``{prefix}gate_up_proj``."""
+    return {
+        f"{prefix}gate_proj": (f"{prefix}gate_up_proj", 0, intermediate_size),
+        f"{prefix}up_proj": (f"{prefix}gate_up_proj", intermediate_size, 2 * intermediate_size),
+    }
+
+
+def moe_fused_projections(config: MoEConfig, prefix: str = "mlp.") -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module -> fused rows for every expert (stored one by one: ``experts.{e}.gate_proj``)
+    and the shared experts."""
+    fused: dict[str, tuple[str, int, int]] = {}
+    for expert in range(config.num_experts):
+        fused.update(mlp_fused_projections(f"{prefix}experts.{expert}.", config.moe_intermediate_size))
+    if config.num_shared_experts:
+        shared = config.moe_intermediate_size * config.num_shared_experts
+        fused.update(mlp_fused_projections(f"{prefix}shared_experts.", shared))
+    return fused
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek-V3's router (see the module docstring). Its weight and correction bias stay float32
+    when the model is cast to a lower precision: expert choice is discrete, and a bias rounded to
+    bf16 picks different experts than the model was trained with."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopkRouter:
+        # Follow device moves, ignore dtype casts.
+        def keep_dtype(tensor: torch.Tensor) -> torch.Tensor:
+            moved = fn(tensor)
+            return moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, hidden]`` -> ``(weights, expert ids)``, each ``[T, num_experts_per_tok]``
+        (weights float32)."""
+        config = self.config
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if config.topk_group < config.n_group:
+            grouped = choice.view(-1, config.n_group, config.num_experts // config.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best_groups = group_scores.topk(config.topk_group, dim=-1, sorted=False).indices
+            eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~eligible[..., None], float("-inf")).view_as(scores)
+        ids = choice.topk(config.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if config.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * config.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts; the names follow the checkpoint (``gate``, ``experts.{e}``,
+    ``shared_experts``) with gate/up fused per expert (:func:`moe_fused_projections`)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = TopkRouter(config)
+        self.experts = nn.ModuleList(
+            gated_mlp(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            for _ in range(config.num_experts)
+        )
+        self.shared_experts = (
+            gated_mlp(
+                config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, config.hidden_act
+            )
+            if config.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``."""
+        weights, ids = self.gate(x)
+        tokens, per_token = ids.shape
+        pairs = ids.reshape(-1)  # pair p: token p // per_token and its expert
+        # Pairs grouped by expert; one host read tells which experts received tokens and how many.
+        order = pairs.argsort(stable=True)
+        hit, counts = pairs[order].unique_consecutive(return_counts=True)
+        # Row p: pair p's expert output. Written with index_copy_ and summed afterwards, because a
+        # scatter-add (index_add_) into the output costs milliseconds per call on a busy CPU.
+        outputs = x.new_empty(tokens * per_token, x.shape[1])
+        start = 0
+        for expert, count in zip(hit.tolist(), counts.tolist(), strict=True):
+            chosen = order[start : start + count]
+            start += count
+            outputs.index_copy_(0, chosen, self.experts[expert](x.index_select(0, chosen // per_token)))
+        weighted = outputs.view(tokens, per_token, -1).float() * weights.unsqueeze(-1)
+        routed = weighted.sum(dim=1).to(x.dtype)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed
