@@ -39,11 +39,14 @@ def random_head(
     layout) for ``eagle``; one-layer EAGLE-3 (speculators layout, ``draft_vocab_size`` tokens,
     naming ``verifier``) for ``eagle3``; three one-layer Medusa heads (vLLM layout) for ``medusa``;
     a three-stage MLP speculator for ``mlp_speculator``; a one-layer block drafter of 8 slots (z-lab
-    layout) for ``dflash`` and with a vanilla Markov head (DeepSpec layout) for ``dspark``. Medusa,
-    MLP and DSpark heads score the full vocabulary, as their published checkpoints do."""
+    layout) for ``dflash`` and with a vanilla Markov head (DeepSpec layout) for ``dspark``; for
+    ``mtp``, a MiMo-style copy of the target with one random MTP layer (a Llama target becomes the
+    equivalent Qwen2 model). Medusa, MLP and DSpark heads score the full vocabulary, as their
+    published checkpoints do."""
     from sonar_core.testing.block_drafters import build_block_drafter
     from sonar_core.testing.eagle_heads import build_eagle_head
     from sonar_core.testing.medusa_heads import build_medusa_head, build_mlp_speculator
+    from sonar_core.testing.mtp_layers import build_mimo_target
 
     root = root if root is not None else cache_root() / "bench" / "heads"
     suffix = f"-v{draft_vocab_size}" if method == "eagle3" else ""
@@ -61,6 +64,8 @@ def random_head(
             build_medusa_head(target, partial, layout="vllm", num_heads=3, init_std=0.02)
         elif method == "dflash":
             build_block_drafter(target, partial, layout="zlab", block_size=8, init_std=0.02)
+        elif method == "mtp":
+            build_mimo_target(target, partial, init_std=0.02)
         elif method == "dspark":
             build_block_drafter(target, partial, layout="deepspec", block_size=8, markov_rank=256, init_std=0.02)
         else:

@@ -113,7 +113,7 @@ def _job(plan: OfflinePlan, row: RowSpec, concurrency: int) -> Job:
         engine=row.engine,
         method=row.method,
         options=dict(row.options),
-        model_dir=str(plan.target.model_dir),
+        model_dir=row.target_dir or str(plan.target.model_dir),
         gguf_path=str(plan.target.gguf_path) if plan.target.gguf_path else None,
         dtype=plan.dtype,
         device=plan.device,
@@ -125,7 +125,7 @@ def _job(plan: OfflinePlan, row: RowSpec, concurrency: int) -> Job:
         concurrency=concurrency,
         request_rate=plan.request_rate,
         seed=plan.seed,
-        engine_args={"model": plan.target.model, **plan.engine_args} if row.engine == SONAR else {},
+        engine_args={"model": row.target_dir or plan.target.model, **plan.engine_args} if row.engine == SONAR else {},
     )
 
 

@@ -8,7 +8,7 @@ Peers are named on the command line as ``ENGINE[:MODE][=JSON]``: ``hf``, ``hf:pr
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,9 @@ DEFAULT_PEER_DRAFT_TOKENS = 4
 DRAFT_CHECKPOINT_METHODS = frozenset({"draft_model", "assistant"})
 # Sonar's methods whose draft is a trained head; ``--random-heads`` fills in their ``model``.
 HEAD_METHODS = frozenset({"eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "dspark"})
+# Sonar's methods whose weights sit in the target checkpoint; ``--random-heads`` runs their rows on
+# a copy of the target with random ones (the same model otherwise, so plain rows stay comparable).
+TARGET_HEAD_METHODS = frozenset({"mtp"})
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class RowSpec:
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     name: str | None = None  # shown instead of the engine's name
     unavailable: str | None = field(default=None, compare=False)  # why it cannot run here (kept in the table)
+    # A Sonar row's own target folder (None: the benchmark's target), for methods whose weights the
+    # target carries.
+    target_dir: str | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -51,6 +57,8 @@ class RowSpec:
         model = self.options.get("model")
         if model and self.method in DRAFT_CHECKPOINT_METHODS | HEAD_METHODS:
             parts.append(f"({Path(str(model)).name})")
+        if self.target_dir:
+            parts.append(f"({Path(self.target_dir).name})")
         return " ".join(parts)
 
     @property
@@ -124,10 +132,13 @@ def peer_rows(texts: list[str]) -> list[RowSpec]:
 
 
 def with_heads(rows: list[RowSpec], head_for: Callable[[str], Path] | None) -> list[RowSpec]:
-    """Give head rows (EAGLE, Medusa, MLP speculator) that name no head the folder
-    ``head_for(method)`` returns; without it such a row is an error that says how to get one."""
+    """Give head rows (EAGLE, Medusa, MLP speculator, DFlash, DSpark) that name no head the folder
+    ``head_for(method)`` returns; without it such a row is an error that says how to get one. With
+    it, MTP rows run on the target copy ``head_for("mtp")`` (without it, on the target itself)."""
     filled = []
     for row in rows:
+        if row.engine == SONAR and row.method in TARGET_HEAD_METHODS and head_for is not None:
+            row = replace(row, target_dir=str(head_for(row.method)))
         if row.engine == SONAR and row.method in HEAD_METHODS and not row.options.get("model"):
             if head_for is None:
                 raise ConfigError(

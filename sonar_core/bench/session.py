@@ -135,7 +135,8 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
     if row.method not in registry and row.method in SONAR_METHOD_PACKAGES:
         package = SONAR_METHOD_PACKAGES[row.method]
         return RowSpec(row.engine, row.method, row.options, unavailable=f"method not installed (pip install {package})")
-    config = EngineConfig.build(**{**base.model_dump(exclude_unset=True), "speculative_config": row.options})
+    model = {"model": row.target_dir} if row.target_dir else {}
+    config = EngineConfig.build(**{**base.model_dump(exclude_unset=True), **model, "speculative_config": row.options})
     validate_config(config, manager, log_warnings=False)
     return row
 

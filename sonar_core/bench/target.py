@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_core.model_files import resolve_model_path
-from sonar_core.models.loader import eos_token_ids, load_tokenizer, prepare_model_dir
+from sonar_core.models.loader import eos_token_ids, load_tokenizer, prepare_model_dir, read_hf_config
 
 
 @dataclass
@@ -26,12 +26,10 @@ class BenchTarget:
 
 def load_target(model: str | None) -> BenchTarget:
     """Resolve ``model`` offline (converting a GGUF file once, as the engine does)."""
-    from transformers import AutoConfig
-
     resolved = resolve_model_path(model)
     gguf = _gguf_file(resolved)
     model_dir = prepare_model_dir(resolved)
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    _, hf_config = read_hf_config(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     return BenchTarget(
         model=model,

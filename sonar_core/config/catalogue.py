@@ -26,6 +26,9 @@ class DraftArchitectureEntry(Protocol):
     @property
     def config_key(self) -> str | None: ...
 
+    def serves(self, target_architectures: Sequence[str] | None) -> bool:
+        """Whether the format drafts for a target of these architectures (unknown target: yes)."""
+
 
 class MethodDescription(Protocol):
     """A method as the rules see it: its canonical name, its options model and its draft formats."""

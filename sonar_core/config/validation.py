@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from sonar_core.attention_backends import BACKENDS, get_backend
-from sonar_core.config.catalogue import MethodCatalogue, MethodDescription
+from sonar_core.config.catalogue import DraftArchitectureEntry, MethodCatalogue, MethodDescription
 from sonar_core.config.engine import EngineConfig
 from sonar_core.config.method_detection import detect_method
 from sonar_core.config.speculative import CORE_FIELDS, FIELD, SpeculativeConfig
@@ -95,9 +95,10 @@ def validate_speculative_config(
     requested, spec = _resolve_method(config, target, methods, warnings)
     config = config.model_copy(update={"method": spec.name})
     options = _validate_options(config, spec)
-    if config.model is not None and spec.draft_architectures:
+    formats = [entry for entry in spec.draft_architectures if entry.serves(target.architectures if target else None)]
+    if config.model is not None and formats:
         draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
-        _check_draft_architecture(spec, draft, methods)
+        _check_draft_architecture(spec.name, formats, draft, methods)
     if config.num_speculative_tokens is None:
         default = methods.default_num_speculative_tokens(config, target)
         if default is not None:
@@ -286,13 +287,15 @@ def _check_draft_length(
             )
 
 
-def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo, methods: MethodCatalogue) -> None:
-    """The draft checkpoint must be one of the architectures the method registered."""
-    supported = [entry.architecture for entry in spec.draft_architectures]
+def _check_draft_architecture(
+    method: str, formats: list[DraftArchitectureEntry], draft: TargetInfo, methods: MethodCatalogue
+) -> None:
+    """The draft checkpoint must be one of the architectures the method registered for the target."""
+    supported = [entry.architecture for entry in formats]
     if any(name in supported for name in draft.architectures):
         return
     if not draft.architectures and any(
-        entry.config_key is not None and entry.config_key in draft.hf_config for entry in spec.draft_architectures
+        entry.config_key is not None and entry.config_key in draft.hf_config for entry in formats
     ):
         return
     found = ", ".join(draft.architectures) or "none"
@@ -301,7 +304,7 @@ def _check_draft_architecture(spec: MethodDescription, draft: TargetInfo, method
     raise ConfigError(
         f"{FIELD}.model",
         f"the draft checkpoint {draft.source or 'config'} declares architectures [{found}] "
-        f"(model_type {draft.model_type or 'unset'!r}), which method {spec.name!r} does not support; "
+        f"(model_type {draft.model_type or 'unset'!r}), which method {method!r} does not support; "
         f"its registered draft architectures are: {', '.join(dict.fromkeys(supported))}",
         f"{hint}check the checkpoint's architectures and model_type fields against the supported-model table "
         "(`aphrodite plugins --models`, docs/supported-models.md); pick a draft trained for this method, "

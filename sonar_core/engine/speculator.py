@@ -52,6 +52,7 @@ class Speculator:
         device: torch.device,
         adaptive_depth: bool = False,
         attention_backend: AttentionBackend | None = None,
+        target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.proposer = proposer
         self.attention_backend = attention_backend or get_backend(None)
@@ -63,6 +64,8 @@ class Speculator:
         self.draft_max_model_len = draft_max_model_len
         self.block_manager = block_manager
         self.kv_caches = kv_caches
+        # Handed to the proposer only when it declares that it reads them.
+        self.target_kv_caches = target_kv_caches if self.capabilities.reads_target_kv else None
         self.device = device
         self.depth = AdaptiveDepth(self.num_speculative_tokens) if adaptive_depth else None
         self._known: set[str] = set()
@@ -132,6 +135,7 @@ class Speculator:
             kv_caches=self.kv_caches,
             device=self.device,
             target_hidden=hidden,
+            target_kv_caches=self.target_kv_caches,
         )
         with self.attention_backend.active(self.device):
             proposal = self.proposer.propose(batch)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -26,12 +26,22 @@ class DraftArchitecture:
     the method requires of such a checkpoint (a ``model_type`` of its inner layer config, ...).
     A legacy layout whose config names no architecture is matched by ``config_key`` instead (a key
     only its configs have, such as FasterDecoding Medusa's ``medusa_num_heads``).
+    ``for_targets`` names the target architectures the format serves (Gemma 4 MTP assistants serve
+    Gemma 4 targets only); empty means any target. For a target that no format of a method serves,
+    core does not judge ``model``'s architecture: the method's own rule says why it takes none.
     """
 
     architecture: str
     layout: str
     notes: str = ""
     config_key: str | None = None
+    for_targets: tuple[str, ...] = ()
+
+    def serves(self, target_architectures: Sequence[str] | None) -> bool:
+        """Whether this format drafts for a target of ``target_architectures`` (unknown: yes)."""
+        return not self.for_targets or not target_architectures or any(
+            name in self.for_targets for name in target_architectures
+        )
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class MethodSpec:
     are rejected with the key and the method named. ``draft_architectures`` lists the draft
     checkpoint formats the method loads (empty for methods without a draft checkpoint); a ``model``
     of any other architecture is refused while the configuration is checked, before anything loads.
+    ``target_architectures`` lists targets whose checkpoint carries the method's weights itself.
     """
 
     name: str
@@ -50,6 +61,10 @@ class MethodSpec:
     description: str = ""
     options_model: type[BaseModel] | None = None
     draft_architectures: tuple[DraftArchitecture, ...] = ()
+    # Target architectures whose own checkpoint carries this method's weights (MTP layers shipped
+    # with the target): the method runs on them without a ``model``. Listed in the supported-model
+    # table; the plugin's own check decides what a target needs.
+    target_architectures: tuple[DraftArchitecture, ...] = ()
     # True when the draft checkpoint's own context limit (max_position_embeddings) bounds drafting:
     # unset, speculation's max_model_len is then that limit. False for heads that read target
     # positions whatever their config states (EAGLE) or none at all (Medusa).

@@ -63,15 +63,16 @@ class DraftCheckpoint:
         return cls(model, path, config, shapes, SpeculatorsConfig.from_config(config))
 
     @classmethod
-    def embedded(cls, folder: Path, config_key: str, prefix: str) -> DraftCheckpoint | None:
+    def embedded(cls, folder: Path, config_key: str | None, prefix: str) -> DraftCheckpoint | None:
         """The draft a target checkpoint embeds: its config is the target's ``config_key`` entry
-        over the target's own fields, its tensors those under ``prefix``; None when it embeds none."""
+        over the target's own fields (``None``: the target's config itself, as for MTP layers),
+        its tensors those under ``prefix``; None when it embeds none."""
         folder = Path(folder)
         try:
             target_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             return None
-        draft_config = target_config.get(config_key)
+        draft_config = {} if config_key is None else target_config.get(config_key)
         if not isinstance(draft_config, dict):
             return None
         base = {key: value for key, value in target_config.items() if key not in (config_key, "architectures", "auto_map")}

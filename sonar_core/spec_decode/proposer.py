@@ -57,6 +57,11 @@ class ProposerCapabilities:
     draft_block_len: int = 0
     # KV slots a request needs beyond its tokens, drafts and draft block.
     extra_slots_per_request: int = 0
+    # True: ProposeBatch.target_kv_caches holds the target's own KV caches, to read (never write):
+    # for draft layers that attend over the target's keys and values (Gemma 4 assistants). A
+    # request's committed positions (below its newest token) hold the target's KV there;
+    # TargetModules.kv_producers says which cache holds which kind of layer's KV.
+    reads_target_kv: bool = False
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
 
@@ -151,6 +156,8 @@ class ProposeBatch:
     device: torch.device | None = None
     # The step's target states, when the capabilities ask for any.
     target_hidden: TargetHiddenStates | None = None
+    # The target's own KV caches (in its kv_cache_specs order), when the capabilities ask for them.
+    target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def last_row_index(self, requests: list[ProposalRequest]) -> torch.Tensor:
         """``[R]`` int64: each request's last valid row of ``target_hidden`` (its newest position

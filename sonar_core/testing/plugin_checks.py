@@ -12,7 +12,7 @@ from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch
 
 def validate_for_target(target: Path, entry_point: str, **fields: Any) -> Any:
     """``validate_speculative_config(fields)`` against the target in ``target``, with only the
-    plugin behind ``entry_point`` loaded; returns the resolved configuration (warnings not logged)."""
+    plugin behind ``entry_point`` loaded (or those of a comma-separated list); returns the resolved configuration (warnings not logged)."""
     from sonar_core.config import target_info_for, validate_speculative_config
     from sonar_core.plugins import get_plugin_manager
 

@@ -85,3 +85,11 @@ def test_head_rows_get_a_head_or_say_how_to(tmp_path: Path) -> None:
     assert [row.label for row in filled] == ["sonar eagle3 k=3 (random-eagle3)", "sonar eagle (head)", "sonar ngram"]
     with pytest.raises(ConfigError, match="--random-heads"):
         with_heads(rows[:1], None)
+
+
+def test_mtp_rows_run_on_a_target_copy_with_random_layers_only_when_asked(tmp_path: Path) -> None:
+    rows = [RowSpec("sonar", "mtp", {"method": "mtp", "num_speculative_tokens": 2})]
+    filled = with_heads(rows, lambda method: tmp_path / f"random-{method}")
+    assert filled[0].target_dir == str(tmp_path / "random-mtp")
+    assert filled[0].label == "sonar mtp k=2 (random-mtp)"
+    assert with_heads(rows, None)[0].target_dir is None  # a target with its own MTP layers

@@ -27,7 +27,9 @@ def test_plugins_lists_methods_aliases_distributions_and_versions(run_aphrodite)
     echo = next(line for line in lines if line.startswith("echo_test"))
     assert echo.split()[:4] == ["echo_test", "echo_alias", "sonar-test-plugin", "0.3.1"]
     assert next(line for line in lines if line.startswith("custom_class")).split()[1:3] == ["sonar-core", "0.1.0"]
-    assert "  mtp: pip install sonar-mtp" in lines
+    # Every Sonar method's package is installed here; the allow-list only leaves them out.
+    assert "Sonar methods not installed:" not in lines
+    assert "mtp (sonar-mtp 0.1.0)" in result.stdout.split("Installed but not loaded (SONAR_PLUGINS):")[1]
 
 
 def test_plugins_as_json(run_aphrodite):
@@ -38,8 +40,8 @@ def test_plugins_as_json(run_aphrodite):
         "method": "echo_test", "aliases": ["echo_alias"], "distribution": "sonar-test-plugin", "version": "0.3.1",
         "description": "Test method: repeats the last token",
     }
-    assert data["not_installed"]["mtp"] == "sonar-mtp"
-    assert "deepseek_mtp" not in data["not_installed"]
+    assert data["not_installed"] == {}
+    assert {"entry_point": "mtp", "distribution": "sonar-mtp", "version": "0.1.0"} in data["not_loaded"]
 
 
 def test_plugins_shows_what_the_allow_list_leaves_out(run_aphrodite):

@@ -60,8 +60,8 @@ def test_generate_reports_bad_json_the_same_way(run_aphrodite):
 @pytest.mark.parametrize(
     ("keys", "expected"),
     [
-        ({"method": "mtp"}, ["speculative_config.method", "pip install sonar-mtp"]),
-        ({"method": "deepseek_mtp"}, ["speculative_config.method", "pip install sonar-mtp"]),
+        ({"method": "mtp"}, ["speculative_config.method", "sonar-mtp, which is installed but not loaded", "add 'mtp' to SONAR_PLUGINS"]),
+        ({"method": "deepseek_mtp"}, ["speculative_config.method", "sonar-mtp, which is installed but not loaded"]),
         ({"method": "echo_tset"}, ["Installed methods: custom_class, echo_test", "did you mean 'echo_test'?"]),
         ({"method": None}, ["speculative_config.method: no method is set"]),
         ({"num_speculative_tokens": 0}, ["speculative_config.num_speculative_tokens", "1 or more"]),

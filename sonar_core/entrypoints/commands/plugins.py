@@ -54,6 +54,21 @@ def draft_architecture_rows(registry: MethodRegistry) -> list[dict[str, str]]:
     ]
 
 
+def target_architecture_rows(registry: MethodRegistry) -> list[dict[str, str]]:
+    """One row per method and target architecture whose checkpoint carries the method's weights."""
+    return [
+        {
+            "method": spec.name,
+            "architecture": entry.architecture,
+            "layout": entry.layout,
+            "notes": entry.notes,
+            "distribution": spec.distribution,
+        }
+        for spec in registry.methods()
+        for entry in spec.target_architectures
+    ]
+
+
 def supported_models_markdown(registry: MethodRegistry) -> str:
     """docs/supported-models.md: the registered draft architectures, generated from the registry."""
     lines = [
@@ -72,6 +87,23 @@ def supported_models_markdown(registry: MethodRegistry) -> str:
         lines.append(
             f"| {row['method']} | {_code(row['architecture'])} | {row['layout']} | {row['notes']} | {row['distribution']} |"
         )
+    target_rows = target_architecture_rows(registry)
+    if target_rows:
+        lines += [
+            "",
+            "## Targets that carry their own draft weights",
+            "",
+            "These target architectures ship the method's weights inside their own checkpoint (MTP layers);",
+            "the method runs on them without `model` when the checkpoint holds the weights (also checked by",
+            "`--check-config`).",
+            "",
+            "| method | target architecture | layout | notes | distribution |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row in target_rows:
+            lines.append(
+                f"| {row['method']} | `{row['architecture']}` | {row['layout']} | {row['notes']} | {row['distribution']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -142,13 +174,16 @@ def _code(architecture: str) -> str:
 
 def _print_models(registry: MethodRegistry, args: argparse.Namespace) -> int:
     rows = draft_architecture_rows(registry)
+    target_rows = target_architecture_rows(registry)
     if args.json:
-        print(json.dumps({"draft_architectures": rows}, indent=2))
+        print(json.dumps({"draft_architectures": rows, "target_architectures": target_rows}, indent=2))
     elif args.markdown:
         print(supported_models_markdown(registry), end="")
-    elif rows:
-        table = [[row["method"], row["architecture"], row["layout"], row["notes"]] for row in rows]
-        print(render_table(("METHOD", "DRAFT ARCHITECTURE", "LAYOUT", "NOTES"), table, (16, 32, 24, 60)))
+    elif rows or target_rows:
+        for heading, found in (("DRAFT ARCHITECTURE", rows), ("TARGET ARCHITECTURE", target_rows)):
+            if found:
+                table = [[row["method"], row["architecture"], row["layout"], row["notes"]] for row in found]
+                print(render_table(("METHOD", heading, "LAYOUT", "NOTES"), table, (16, 32, 24, 60)))
     else:
         print("No installed method loads a draft checkpoint.")
     return 0

@@ -1,0 +1,1 @@
+"""MTP speculation for Sonar: the ``mtp`` method and its old model-family names."""
