@@ -16,14 +16,18 @@ independently of Sonar's loaders::
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from sonar_core.testing.layer_tensors import layer_tensors
+from sonar_core.spec_decode.draft_layouts import (
+    dflash_zlab_config,
+    draft_layer_config,
+    save_draft_checkpoint,
+    vocab_maps,
+)
+from sonar_core.testing.layer_tensors import copy_with_tensors, layer_tensors
 
 Layout = Literal["zlab", "deepspec", "speculators-dflash", "speculators-dspark", "embedded"]
 
@@ -64,13 +68,7 @@ def build_block_drafter(
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * init_std
 
-    layer_config = {
-        key: value for key, value in target.items()
-        if key not in ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version")
-    }
-    layer_config.update(num_hidden_layers=num_layers, tie_word_embeddings=False)
-    if layer_config.get("layer_types"):
-        layer_config["layer_types"] = ["full_attention"] * num_layers
+    layer_config = draft_layer_config(target, num_layers, layer_types=["full_attention"] * num_layers)
     tensors: dict[str, torch.Tensor] = {}
     for index in range(num_layers):
         tensors.update(layer_tensors(f"layers.{index}.", layer_config, hidden, random, input_norm=True))
@@ -83,11 +81,7 @@ def build_block_drafter(
         tensors["embed_tokens.weight"] = random(vocab, hidden)
         tensors["lm_head.weight"] = random(draft_vocab, hidden)
     if speculators and draft_vocab < vocab:
-        used = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
-        tensors["d2t"] = used - torch.arange(draft_vocab)
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[used] = True
-        tensors["t2d"] = t2d
+        tensors.update(vocab_maps(torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values, vocab))
     if markov_rank:
         tensors["markov_head.markov_w1.weight"] = random(vocab, markov_rank)
         tensors["markov_head.markov_w2.weight"] = random(draft_vocab, markov_rank) / markov_rank**0.5
@@ -107,17 +101,16 @@ def build_block_drafter(
         "confidence_head_with_markov": bool(markov_rank),
     }
     if layout == "embedded":
-        return _embed(target_dir, out_dir, tensors, {
+        embedded = {f"dspark.{name}": tensor for name, tensor in tensors.items()}
+        return copy_with_tensors(target_dir, out_dir, embedded, {"dspark_config": {
             "num_hidden_layers": num_layers, "block_size": block_size, "mask_token_id": mask,
             "target_layer_ids": ids, **dspark_fields,
-        })
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        }})
     if layout == "zlab":
-        config = {
-            **layer_config, "architectures": ["DFlashDraftModel"], "num_target_layers": layers, "block_size": block_size,
-            "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask, "block_size": block_size, "causal": causal},
-        }
+        config = dflash_zlab_config(
+            layer_config, num_target_layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask,
+            causal=causal,
+        )
     elif layout == "deepspec":
         config = {
             **layer_config, "architectures": ["Qwen3DSparkModel"], "num_target_layers": layers, "block_size": block_size,
@@ -144,17 +137,4 @@ def build_block_drafter(
                 "verifier": {"name_or_path": str(target_dir), "architectures": list(target.get("architectures") or [])},
             },
         }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
-
-
-def _embed(target_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> Path:
-    """A copy of the target with the drafter's tensors under ``dspark.`` and its config entry."""
-    shutil.copytree(target_dir, out_dir)
-    weights = load_file(out_dir / "model.safetensors")
-    weights.update({f"dspark.{name}": tensor.contiguous() for name, tensor in tensors.items()})
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out_dir / "config.json").read_text())
-    config["dspark_config"] = fields
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+    return save_draft_checkpoint(out_dir, tensors, config)

@@ -20,8 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
 
+from sonar_core.spec_decode.draft_layouts import (
+    draft_layer_config,
+    eagle3_speculators_config,
+    save_draft_checkpoint,
+    vocab_maps,
+)
 from sonar_core.testing.layer_tensors import layer_tensors
 
 Layout = Literal["safeailab", "speculators"]
@@ -66,14 +71,7 @@ def build_eagle_head(
     def random(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * init_std
 
-    layer_config = {
-        key: value
-        for key, value in target.items()
-        if key not in ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "tie_word_embeddings")
-    }
-    layer_config.update(num_hidden_layers=num_layers, tie_word_embeddings=False)
-    if layer_config.get("layer_types"):
-        layer_config["layer_types"] = layer_config["layer_types"][:num_layers]
+    layer_config = draft_layer_config(target, num_layers)
     tensors: dict[str, torch.Tensor] = {}
     if method == "eagle":
         tensors["fc.weight"] = random(hidden, 2 * hidden)
@@ -98,23 +96,16 @@ def build_eagle_head(
         draft_vocab = draft_vocab_size or vocab
         tensors["lm_head.weight"] = random(draft_vocab, hidden)
         if draft_vocab < vocab:
-            used = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
-            tensors["d2t"] = used - torch.arange(draft_vocab)
-            t2d = torch.zeros(vocab, dtype=torch.bool)
-            t2d[used] = True
-            tensors["t2d"] = t2d
+            tensors.update(vocab_maps(torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values, vocab))
     if include_embedding:
         tensors["embed_tokens.weight"] = random(vocab, hidden)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = _config(
         method, layout, layer_config, target, draft_vocab_size or vocab, aux_layers,
         dict(fc_bias=fc_bias, norm_before_residual=norm_before_residual, norm_output=norm_output,
              norm_before_fc=norm_before_fc, fc_norm=fc_norm),
         trained_depth, verifier or str(target_dir),
     )
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+    return save_draft_checkpoint(out_dir, tensors, config)
 
 
 def _config(
@@ -136,25 +127,15 @@ def _config(
             config["eagle_aux_hidden_state_layer_ids"] = aux_layers
         return config
     num_target_layers = target["num_hidden_layers"]
-    return {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": layer_config,
-        "draft_vocab_size": draft_vocab_size,
-        "norm_before_residual": switches["norm_before_residual"],
-        "norm_output": switches["norm_output"],
-        "norm_before_fc": switches["norm_before_fc"],
-        "fc_norm": switches["fc_norm"],
-        "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids": aux_layers or [2, num_target_layers // 2, num_target_layers - 3],
-        "speculators_version": "0.3.0",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": trained_depth, "verifier_accept_k": 1,
-                 "accept_tolerance": 0.0}
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(target.get("architectures") or [])},
-        },
-    }
+    return eagle3_speculators_config(
+        layer_config,
+        target,
+        draft_vocab_size=draft_vocab_size,
+        aux_layers=aux_layers or [2, num_target_layers // 2, num_target_layers - 3],
+        trained_depth=trained_depth,
+        verifier=verifier,
+        norm_before_residual=switches["norm_before_residual"],
+        norm_output=switches["norm_output"],
+        norm_before_fc=switches["norm_before_fc"],
+        fc_norm=switches["fc_norm"],
+    )

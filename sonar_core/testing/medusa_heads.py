@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
+
+from sonar_core.spec_decode.draft_layouts import medusa_config, mlp_speculator_config, save_draft_checkpoint
 
 
 def _random(generator: torch.Generator, std: float):
@@ -50,8 +51,8 @@ def build_medusa_head(
     hidden, vocab = target["hidden_size"], target["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
     random = _random(generator, init_std)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if layout == "fasterdecoding":
+        out_dir.mkdir(parents=True, exist_ok=True)
         state = {}
         for h in range(num_heads):
             for layer in range(num_layers):
@@ -64,32 +65,23 @@ def build_medusa_head(
             "medusa_num_layers": num_layers,
             "base_model_name_or_path": str(target_dir),
         }
-    else:
-        draft_vocab = truncated_vocab_size or vocab
-        tensors = {}
-        for h in range(num_heads):
-            for layer in range(num_layers):
-                tensors[f"blocks.{h}.layers.{layer}.weight"] = random(hidden, hidden) / hidden**0.5
-                if fc_bias:
-                    tensors[f"blocks.{h}.layers.{layer}.bias"] = random(hidden) * 0.1
-            tensors[f"lm_heads.{h}.weight"] = random(draft_vocab, hidden)
-        if draft_vocab < vocab:
-            tensors["token_map"] = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        config = {
-            "model_type": "medusa",
-            "architectures": ["MedusaModel"],
-            "hidden_size": hidden,
-            "vocab_size": vocab,
-            "num_heads": config_num_heads or num_heads,
-            "num_hidden_layers": num_layers,
-            "truncated_vocab_size": draft_vocab,
-            "medusa_fc_bias": fc_bias,
-            "max_paths": 64,
-            "topk": 10,
-        }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return out_dir
+    draft_vocab = truncated_vocab_size or vocab
+    tensors = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            tensors[f"blocks.{h}.layers.{layer}.weight"] = random(hidden, hidden) / hidden**0.5
+            if fc_bias:
+                tensors[f"blocks.{h}.layers.{layer}.bias"] = random(hidden) * 0.1
+        tensors[f"lm_heads.{h}.weight"] = random(draft_vocab, hidden)
+    if draft_vocab < vocab:
+        tensors["token_map"] = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+    config = medusa_config(
+        hidden_size=hidden, vocab_size=vocab, num_heads=config_num_heads or num_heads, num_layers=num_layers,
+        truncated_vocab_size=draft_vocab, fc_bias=fc_bias,
+    )
+    return save_draft_checkpoint(out_dir, tensors, config)
 
 
 def build_mlp_speculator(
@@ -135,20 +127,9 @@ def build_mlp_speculator(
                     tensors[f"{prefix}{kind}.{i}.{leaf}"] = tensors[f"{prefix}{kind}.0.{leaf}"]
             if i >= 2:
                 tensors[f"{prefix}proj.{i}.weight"] = tensors[f"{prefix}proj.1.weight"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = {
-        "architectures": ["MLPSpeculatorPreTrainedModel"],
-        "model_type": "mlp_speculator",
-        "vocab_size": vocab,
-        "emb_dim": emb_dim,
-        "inner_dim": inner_dim,
-        "n_predict": n_predict,
-        "top_k_tokens_per_head": [1] * n_predict,
-        "n_candidates": 1,
-        "tie_weights": tie_weights,
-        "scale_input": scale_input,
-    }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+    config = mlp_speculator_config(
+        vocab_size=vocab, emb_dim=emb_dim, inner_dim=inner_dim, n_predict=n_predict, tie_weights=tie_weights,
+        scale_input=scale_input,
+    )
+    # Tied copies are stored as tensors of their own (safetensors refuses shared storage).
+    return save_draft_checkpoint(out_dir, {name: tensor.clone() for name, tensor in tensors.items()}, config)

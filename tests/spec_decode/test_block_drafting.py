@@ -26,6 +26,7 @@ from sonar_core.testing.losslessness import (
     sampled_output_distances,
 )
 from sonar_core.testing.plugin_checks import check_drafts
+from sonar_core.testing.reference_ops import rms_norm, rope
 
 LAYERS = 4
 DRAFTERS = {
@@ -102,19 +103,6 @@ def test_fewer_drafts_than_the_block_keep_the_trained_block(target, drafters, re
 # --- the reference block forward ---------------------------------------------------------------
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
-    angles = positions[:, None].float() * inv_freq
-    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None]
-    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None]
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
 class BlockReference:
     """z-lab's DFlash / DeepSpec's DSpark draft pass, in plain torch from the published layouts:
     context K/V from hidden_norm(fc(states)) without input norm, a block of [anchor, MASK...] whose
@@ -147,10 +135,10 @@ class BlockReference:
         def heads(x, name, count):
             return (x @ w[f"{p}{name}_proj.weight"].T).view(len(x), count, d)
 
-        q = _rms(heads(queries, "q", self.heads), w[f"{p}q_norm.weight"], self.eps)
-        k = _rms(torch.cat((heads(context, "k", self.kv_heads), heads(queries, "k", self.kv_heads))), w[f"{p}k_norm.weight"], self.eps)
+        q = rms_norm(heads(queries, "q", self.heads), w[f"{p}q_norm.weight"], self.eps)
+        k = rms_norm(torch.cat((heads(context, "k", self.kv_heads), heads(queries, "k", self.kv_heads))), w[f"{p}k_norm.weight"], self.eps)
         v = torch.cat((heads(context, "v", self.kv_heads), heads(queries, "v", self.kv_heads)))
-        q, k = _rope(q, positions[ctx_len:], self.theta), _rope(k, positions, self.theta)
+        q, k = rope(q, positions[ctx_len:], self.theta), rope(k, positions, self.theta)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
@@ -164,17 +152,17 @@ class BlockReference:
     def drafts(self, token_ids: list[int], states: torch.Tensor, depth: int) -> list[int]:
         """Greedy drafts after ``token_ids`` from the target states of positions 0..len-2."""
         w = self.w
-        context = _rms(states @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)
+        context = rms_norm(states @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)
         start = len(token_ids) - 1
         positions = torch.arange(start + self.block)
         x = self.embed[torch.tensor([token_ids[-1]] + [self.mask] * (self.block - 1))]
         for i in range(self.num_layers):
-            h = _rms(x, w[f"layers.{i}.input_layernorm.weight"], self.eps)
+            h = rms_norm(x, w[f"layers.{i}.input_layernorm.weight"], self.eps)
             x = x + self._attention(i, h, context, positions)
-            h = _rms(x, w[f"layers.{i}.post_attention_layernorm.weight"], self.eps)
+            h = rms_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], self.eps)
             gate, up = h @ w[f"layers.{i}.mlp.gate_proj.weight"].T, h @ w[f"layers.{i}.mlp.up_proj.weight"].T
             x = x + (torch.nn.functional.silu(gate) * up) @ w[f"layers.{i}.mlp.down_proj.weight"].T
-        slots = _rms(x, w["norm.weight"], self.eps)[0 if self.anchored else 1 :]
+        slots = rms_norm(x, w["norm.weight"], self.eps)[0 if self.anchored else 1 :]
         drafts, prev, state = [], token_ids[-1], None
         for k in range(depth):
             logits = slots[k] @ self.lm_head.T

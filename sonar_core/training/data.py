@@ -1,0 +1,166 @@
+"""Self-distillation data: the target answers the training prompts greedily through Sonar's engine,
+and the ``extract_hidden_states`` method exports its hidden states per request.
+
+One file per prompt (``<folder>/<prompt id>.safetensors``, the format of
+:mod:`sonar_core.spec_decode.hidden_state_files`): the prompt and answer tokens, the residual-stream
+states EAGLE-3 and DFlash read (``layer_ids``, EAGLE-3's default layers) and the final post-norm
+state Medusa and the MLP speculator read, which also gives every position's target distribution
+(the training labels). Nothing is computed twice: the states are the ones the target computes
+while it answers.
+
+Generation is resumable: prompts run in fixed chunks, and a chunk counts as done only when every
+one of its files exists, so an interrupted chunk is run again whole and the data is the same as
+an uninterrupted run's. ``manifest.json`` records the settings; a folder made with other settings
+is refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sonar_core.errors import ConfigError
+from sonar_core.spec_decode.hidden_state_files import file_name
+from sonar_core.training.prompts import TrainingPrompt, build_prompts
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "sonar-self-distillation"
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the data is made of; every field but ``num_prompts`` must match to reuse a folder
+    (more prompts extend it: the prompt list of a seed is the same whatever its length)."""
+
+    model: str | None
+    num_prompts: int
+    max_tokens: int
+    seed: int
+    dtype: str
+    layer_ids: tuple[int, ...]  # vLLM capture ids (Sonar's index)
+    max_num_seqs: int = 24
+
+    @property
+    def chunk_size(self) -> int:
+        """Prompts per resumable chunk: a few engine batches."""
+        return 4 * self.max_num_seqs
+
+    def comparable(self) -> dict[str, Any]:
+        fields = asdict(self)
+        fields.pop("num_prompts")
+        fields["layer_ids"] = list(self.layer_ids)
+        return fields
+
+
+def training_prompts(spec: DataSpec) -> list[TrainingPrompt]:
+    return build_prompts(spec.num_prompts, spec.seed)
+
+
+def held_out_prompts(spec: DataSpec, count: int) -> list[TrainingPrompt]:
+    """``count`` prompts of the same domains that are not among the training prompts (another
+    seed, with any text the training set holds left out)."""
+    seen = {prompt.text for prompt in training_prompts(spec)}
+    fresh = [p for p in build_prompts(2 * count + 8, spec.seed + 1_000_003) if p.text not in seen]
+    return fresh[:count]
+
+
+class SelfDistillationData:
+    """The folder of exported files for one :class:`DataSpec`."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def files(self, spec: DataSpec) -> list[Path]:
+        """The files of the first ``spec.num_prompts`` prompts, in prompt order (all must exist)."""
+        paths = [self.folder / file_name(p.id) for p in training_prompts(spec)]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise ConfigError(
+                "work_dir",
+                f"{self.folder} lacks {len(missing)} of its {len(paths)} data files (first: {missing[0]})",
+                "run the data step again with the same settings; it completes the folder",
+            )
+        return paths
+
+    def check_manifest(self, spec: DataSpec) -> None:
+        """Refuse a folder made with other settings (it would mix two datasets)."""
+        manifest = self.folder / MANIFEST
+        if not manifest.is_file():
+            return
+        recorded = json.loads(manifest.read_text())
+        differing = sorted(k for k, v in spec.comparable().items() if recorded.get(k) != v)
+        if differing:
+            changes = ", ".join(f"{k}: {recorded.get(k)!r} -> {spec.comparable()[k]!r}" for k in differing)
+            raise ConfigError(
+                "work_dir",
+                f"{self.folder} holds data made with other settings ({changes})",
+                "use another --work-dir for these settings, or the settings the folder was made with",
+            )
+
+    def generate(self, spec: DataSpec, progress: Callable[[int, int, int], None] | None = None) -> int:
+        """Make every missing file of ``spec``; returns the number of prompts generated now.
+
+        ``progress(done, total, new_tokens)`` is called after every finished request.
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.check_manifest(spec)
+        manifest = {"format": FORMAT, "version": 1, **spec.comparable(), "num_prompts": spec.num_prompts}
+        (self.folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        prompts = training_prompts(spec)
+        chunks = [prompts[i : i + spec.chunk_size] for i in range(0, len(prompts), spec.chunk_size)]
+        todo = [chunk for chunk in chunks if not all((self.folder / file_name(p.id)).is_file() for p in chunk)]
+        done = len(prompts) - sum(len(chunk) for chunk in todo)
+        if progress is not None:
+            progress(done, len(prompts), 0)
+        if not todo:
+            return 0
+        llm = self._engine(spec)
+        generated = 0
+        for chunk in todo:
+            for prompt in chunk:  # an interrupted chunk is redone whole
+                (self.folder / file_name(prompt.id)).unlink(missing_ok=True)
+            for tokens in self._run_chunk(llm, chunk, spec):
+                done += 1
+                generated += 1
+                if progress is not None:
+                    progress(done, len(prompts), tokens)
+        return generated
+
+    def _engine(self, spec: DataSpec) -> Any:
+        from sonar_core.entrypoints.llm import LLM
+
+        speculative = {
+            "method": "extract_hidden_states",
+            "output_dir": str(self.folder),
+            "layer_ids": list(spec.layer_ids),
+            "include_final": True,
+        }
+        return LLM(model=spec.model, dtype=spec.dtype, seed=spec.seed, max_num_seqs=spec.max_num_seqs,
+                   speculative_config=speculative)
+
+    def _run_chunk(self, llm: Any, chunk: list[TrainingPrompt], spec: DataSpec):
+        """Generate one chunk greedily; yields each finished request's number of new tokens."""
+        from sonar_core.sampling_params import SamplingParams
+
+        engine = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens)
+        for prompt in chunk:
+            text = engine.tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+            engine.add_request(text, params, request_id=prompt.id)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                if output.error:
+                    raise RuntimeError(f"prompt {output.request_id}: {output.error}")
+                yield len(output.outputs[0].token_ids)
+        logger.debug("chunk of %d prompts in %.1f s", len(chunk), time.perf_counter() - start)
+

@@ -1,0 +1,164 @@
+"""What every trainable head provides, and the loss they share.
+
+A :class:`HeadTrainer` wraps the plugin's own head module (the class that drafts at inference),
+computes the loss of a batch through that module's forward, and writes the trained head in its
+method's published layout. The loss is the cross-entropy of the head's logits against the target's
+greedy choice (:meth:`~sonar_core.training.target.TrainingTarget.choices`), per draft position,
+weighted ``DEPTH_DECAY ** position``: later positions only count when the earlier ones were
+accepted, so they matter less (EAGLE-3's and HASS's choice).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonar_core.layers.decoder import fused_projections
+from sonar_core.training.dataset import TrainingSequence
+from sonar_core.training.target import TrainingTarget
+
+DEPTH_DECAY = 0.8
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """The shape of the head to train."""
+
+    # Draft tokens per step the head is trained for (EAGLE-3's unrolled steps, Medusa's heads, the
+    # MLP speculator's stages, a DFlash block's drafts).
+    depth: int = 3
+    # Tokens the head scores (EAGLE-3, Medusa); None: the target's whole vocabulary.
+    draft_vocab_size: int | None = None
+    # Draft decoder layers (EAGLE-3, DFlash) and their MLP width (None: the target's).
+    num_layers: int = 1
+    intermediate_size: int | None = None
+
+
+@dataclass
+class BatchLoss:
+    """A batch's loss and what it says about drafting."""
+
+    loss: torch.Tensor
+    # Per draft position: rows scored, and rows whose top draft token is the target's top token
+    # (over the head's vocabulary): teacher-forced acceptance of that position.
+    counts: list[int]
+    correct: list[int]
+
+
+class HeadTrainer(ABC):
+    """One method's trainable head (see the module docstring)."""
+
+    method: str
+    # Target states the head reads (Sonar's index), loaded with each batch; None: final states only.
+    layers: tuple[int, ...] | None = None
+
+    def __init__(self, target: TrainingTarget, options: HeadOptions, draft_vocab: torch.Tensor) -> None:
+        self.target = target
+        self.options = options
+        self.draft_vocab = draft_vocab  # target ids the head scores, ascending
+        self.lm_head_rows = target.lm_head_rows(None if self.full_vocabulary else draft_vocab)
+
+    @property
+    def full_vocabulary(self) -> bool:
+        return self.draft_vocab.shape[0] == self.target.vocab_size
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The head module whose trainable parameters the optimiser updates."""
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @abstractmethod
+    def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
+        """The loss of a batch (``generator`` draws anything random, DFlash's anchors)."""
+
+    @abstractmethod
+    def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
+        """Write the head in its published layout (weights in ``dtype``); returns ``out_dir``."""
+
+    def labels(self, sequence: TrainingSequence) -> torch.Tensor:
+        """``[n]`` the target's choice at every row, as an index into the head's vocabulary."""
+        return self.target.choices(sequence.final, self.lm_head_rows)
+
+
+class FlatBatch:
+    """A batch's sequences laid end to end: row ``r`` is position ``position[r]`` of sequence
+    ``seq_of[r]``, and rows of one sequence are consecutive (``bases[i]`` is its first)."""
+
+    def __init__(self, sequences: list[TrainingSequence]) -> None:
+        self.sequences = sequences
+        self.lengths = torch.tensor([s.num_rows for s in sequences])
+        self.bases = self.lengths.cumsum(0) - self.lengths
+        self.num_rows = int(self.lengths.sum())
+        self.seq_of = torch.repeat_interleave(torch.arange(len(sequences)), self.lengths)
+        self.position = torch.arange(self.num_rows) - self.bases[self.seq_of]
+        # Tokens are one longer than rows per sequence.
+        self._tokens = torch.cat([s.token_ids for s in sequences])
+        self._token_base = self.bases + torch.arange(len(sequences))
+
+    def within(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """Which ``rows`` have a row ``offset`` positions further in their sequence."""
+        return self.position[rows] + offset <= self.lengths[self.seq_of[rows]] - 1
+
+    def token_after(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """The token ``offset`` positions after each row's (``offset`` 1: the row's next token)."""
+        return self._tokens[self._token_base[self.seq_of[rows]] + self.position[rows] + offset]
+
+    def cat(self, name: str) -> torch.Tensor:
+        """The sequences' ``aux`` or ``final`` states, end to end."""
+        return torch.cat([getattr(s, name) for s in self.sequences])
+
+
+class PositionLoss:
+    """Accumulates :class:`BatchLoss` over draft positions."""
+
+    def __init__(self, depth: int) -> None:
+        self.terms: list[torch.Tensor] = []
+        self.counts = [0] * depth
+        self.correct = [0] * depth
+
+    def add(self, position: int, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Score ``[R, V']`` draft logits against ``[R]`` target choices at draft ``position``."""
+        if logits.shape[0] == 0:
+            return
+        self.terms.append(DEPTH_DECAY**position * F.cross_entropy(logits, labels))
+        self.counts[position] += int(logits.shape[0])
+        self.correct[position] += int((logits.argmax(-1) == labels).sum())
+
+    def result(self, reference: nn.Module) -> BatchLoss:
+        loss = torch.stack(self.terms).sum() if self.terms else _zero(reference)
+        return BatchLoss(loss, self.counts, self.correct)
+
+
+def _zero(module: nn.Module) -> torch.Tensor:
+    """A zero loss connected to ``module``'s parameters (a batch with nothing to score)."""
+    return sum((p.sum() * 0.0 for p in module.parameters() if p.requires_grad), torch.zeros(()))
+
+
+def checkpoint_tensors(module: nn.Module, layer_config: Any, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """``module``'s parameters under their checkpoint names: fused projections (``qkv_proj``,
+    ``gate_up_proj``) split back into the published ``q/k/v_proj`` and ``gate/up_proj``; names in
+    ``skip`` left out. The inverse of how the loaders fill the fused parameters."""
+    fused = fused_projections(layer_config)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        if name in skip:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        pieces = [(source, start, end) for source, (target, start, end) in fused.items()
+                  if module_name == target or module_name.endswith("." + target)]
+        if not pieces:
+            tensors[name] = param.detach().clone()
+            continue
+        prefix = module_name[: len(module_name) - len(fused[pieces[0][0]][0])]
+        for source, start, end in pieces:
+            tensors[f"{prefix}{source}.{leaf}"] = param.detach()[start:end].clone()
+    return tensors

@@ -1,0 +1,48 @@
+"""``aphrodite train-draft`` end to end on the tiny target: data, training, the written head, its
+acceptance on held-out prompts; run again, it resumes and redoes nothing."""
+
+from __future__ import annotations
+
+import json
+
+from sonar_core.entrypoints.cli import main
+from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
+
+
+def _args(target, output, *extra: str) -> list[str]:
+    return ["train-draft", str(target), "--method", "eagle3", "--output", str(output), "--num-prompts", "8",
+            "--max-tokens", "16", "--max-num-seqs", "2", "--epochs", "1", "--draft-vocab-size", "64",
+            "--dtype", "float32", "--eval-prompts", "2", "--eval-max-tokens", "8", "--no-progress", *extra]
+
+
+def test_train_draft_writes_a_head_that_loads_and_reports_its_acceptance(tmp_path, target, capsys):
+    output = tmp_path / "head"
+    assert main(_args(target, output)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["output"] == str(output)
+    assert report["data"]["prompts"] == 8 and report["data"]["draft_vocab_size"] == 64
+    assert report["training"]["steps_done"] == report["training"]["total_steps"] > 0
+    evaluation = report["evaluation"]
+    assert evaluation["mean_acceptance_length"] >= 1.0 and len(evaluation["per_position_acceptance_rate"]) == 3
+    checkpoint = DraftCheckpoint.open(str(output))
+    assert checkpoint.speculators.model_type == "eagle3" and checkpoint.speculators.speculative_tokens == 3
+    assert checkpoint.shapes["d2t"] == (64,)
+
+    assert main(_args(target, output, "--eval-prompts", "0")) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["data"]["generated_now"] == 0
+    assert again["training"]["last_loss"] == report["training"]["last_loss"]
+
+
+def test_an_output_folder_with_other_files_is_refused(tmp_path, target, capsys):
+    output = tmp_path / "mine"
+    output.mkdir()
+    (output / "notes.txt").write_text("keep me")
+    assert main(_args(target, output)) == 2
+    assert "holds other files than a trained head" in capsys.readouterr().err
+    assert (output / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_numbers_are_refused_before_anything_runs(tmp_path, target, capsys):
+    assert main(_args(target, tmp_path / "head", "--epochs", "0")) == 2
+    assert "--epochs must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,41 @@
+"""An interrupted training run, started again, ends exactly where an uninterrupted run ends: same
+weights, same optimiser state, same written head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_kit import SETTINGS, make_trainer
+
+from sonar_core.errors import ConfigError
+from sonar_core.training.loop import TrainSettings, train
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_resumed_run_equals_an_uninterrupted_one(method, tmp_path, dataset, training_target):
+    whole = make_trainer(method, training_target, dataset)
+    outcome = train(whole, dataset, SETTINGS, tmp_path / "whole.pt", {"method": method})
+
+    interrupted = make_trainer(method, training_target, dataset)
+    first = train(interrupted, dataset, SETTINGS, tmp_path / "parts.pt", {"method": method}, stop_after=7)
+    assert first.steps_done == 7 and not first.finished
+    # A new process: a freshly built head, whose state comes from the file.
+    resumed = make_trainer(method, training_target, dataset)
+    second = train(resumed, dataset, SETTINGS, tmp_path / "parts.pt", {"method": method})
+    assert second.finished and second.steps_done == outcome.steps_done
+    assert [r.loss for r in second.history] == [r.loss for r in outcome.history]
+    for (name, a), (_, b) in zip(whole.module.state_dict().items(), resumed.module.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    written = load_file(whole.export(tmp_path / "a", torch.float32) / "model.safetensors")
+    again = load_file(resumed.export(tmp_path / "b", torch.float32) / "model.safetensors")
+    assert written.keys() == again.keys() and all(torch.equal(written[k], again[k]) for k in written)
+
+
+def test_a_state_of_other_settings_is_refused(tmp_path, dataset, training_target):
+    trainer = make_trainer("medusa", training_target, dataset)
+    train(trainer, dataset, SETTINGS, tmp_path / "state.pt", {"method": "medusa"}, stop_after=2)
+    other = TrainSettings(**{**SETTINGS.__dict__, "learning_rate": 1e-2})
+    with pytest.raises(ConfigError, match="other settings"):
+        train(make_trainer("medusa", training_target, dataset), dataset, other, tmp_path / "state.pt",
+              {"method": "medusa"})

@@ -1,0 +1,38 @@
+"""Helpers of the training tests: the tiny target's data settings and a seeded head of any method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sonar_core.training.data import DataSpec
+from sonar_core.training.dataset import StreamingDataset
+from sonar_core.training.loop import TrainSettings
+from sonar_core.training.methods import build_trainer, reduces_vocabulary
+from sonar_core.training.methods.base import HeadOptions, HeadTrainer
+from sonar_core.training.target import TrainingTarget, draft_vocabulary
+
+# Eight layers, so that EAGLE-3's default states (2, L/2, L-3) = (2, 4, 5) are distinct.
+TARGET_LAYERS = 8
+LAYERS = (2, 4, 5)
+DRAFT_VOCAB = 128
+SETTINGS = TrainSettings(epochs=3, learning_rate=3e-3, warmup_steps=2, batch_rows=128, max_rows=96, save_every=4)
+
+
+def data_spec(target: Path, **changes) -> DataSpec:
+    # Two answers at a time: chunks of 8 prompts, so that 16 prompts make two.
+    fields = dict(model=str(target), num_prompts=16, max_tokens=24, seed=0, dtype="float32", layer_ids=LAYERS,
+                  max_num_seqs=2)
+    fields.update(changes)
+    return DataSpec(**fields)
+
+
+def make_trainer(method: str, training_target: TrainingTarget, dataset: StreamingDataset, depth: int = 3,
+                 seed: int = 0) -> HeadTrainer:
+    """A freshly initialised head of ``method`` for the tiny target (seeded)."""
+    counts = dataset.answer_token_counts(training_target.vocab_size)
+    size = DRAFT_VOCAB if reduces_vocabulary(method) else training_target.vocab_size
+    torch.manual_seed(seed)
+    return build_trainer(method, training_target, HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB),
+                         draft_vocabulary(counts, size), dataset.layer_ids, training_target.vocab_size - 1)
