@@ -22,10 +22,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from sonar_ngram.lookup import find_draft
 from sonar_ngram.proposer import NgramGPUProposer, NgramProposer
-from sonar_ngram.settings import LookupBounds
 
+from sonar_core.spec_decode.prompt_lookup import LookupBounds, find_draft
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer
 
 MIN_N, MAX_N, K = 2, 5, 5

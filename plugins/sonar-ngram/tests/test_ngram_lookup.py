@@ -1,4 +1,4 @@
-"""The host lookup (sonar_ngram.lookup) on hand-made cases and against the plain reference."""
+"""The host lookup (sonar_core.spec_decode.prompt_lookup) on hand-made cases and against the plain reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 from ngram_reference import reference_draft, repetitive_sequence
-from sonar_ngram.lookup import TokenHistory, find_draft, find_match_end
+
+from sonar_core.spec_decode.prompt_lookup import TokenHistory, find_draft, find_match_end
 
 
 def draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from sonar_ngram import plugin
 from sonar_ngram.proposer import NgramGPUProposer, NgramProposer
-from sonar_ngram.settings import LookupBounds, resolve_lookup_bounds
 
 from sonar_core.config import SpeculativeConfig, validate_speculative_config
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import SonarPluginManager, get_plugin_manager
+from sonar_core.spec_decode.prompt_lookup import LookupBounds, resolve_lookup_bounds
 from sonar_core.spec_decode.proposer import ProposerContext
 
 METHODS = ["ngram", "ngram_gpu"]

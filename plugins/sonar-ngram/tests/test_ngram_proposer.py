@@ -8,8 +8,8 @@ import pytest
 import torch
 from ngram_reference import reference_draft, repetitive_sequence
 from sonar_ngram.proposer import NgramGPUProposer, NgramProposer
-from sonar_ngram.settings import LookupBounds
 
+from sonar_core.spec_decode.prompt_lookup import LookupBounds
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, Proposer
 
 K = 5

@@ -1,6 +1,6 @@
 """Prompt lookup for a whole batch on device tensors, with no host round trip inside the search.
 
-Same rule as :mod:`sonar_ngram.lookup` (longest n in ``min_n..max_n``, most recent occurrence ending
+Same rule as :mod:`sonar_core.spec_decode.prompt_lookup` (longest n in ``min_n..max_n``, most recent occurrence ending
 before the last token, up to ``k`` following tokens); the drafts must be identical.
 
 Shapes: the batch is a padded ``[B, W]`` token tensor whose row ``b`` is valid up to ``lengths[b]``
@@ -63,7 +63,7 @@ def batch_find_drafts(
             best_end = torch.where(last >= 0, last, best_end)
 
     starts = best_end + 1
-    # Overlapping copy (see sonar_ngram.lookup): the draft repeats with the match's distance from
+    # Overlapping copy (see sonar_core.spec_decode.prompt_lookup): the draft repeats with the match's distance from
     # the last token as its period, so every matched row drafts its full limit.
     period = (lengths - starts).clamp(min=1)
     counts = torch.where(best_end >= 0, limits.to(torch.int64), 0).clamp(min=0)

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict
 
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import MethodSpec, checkpoint_refused, hookimpl, one_hot_drafts_warning
+from sonar_core.spec_decode.prompt_lookup import lookup_bound_errors
 from sonar_ngram.proposer import create_ngram_gpu_proposer, create_ngram_proposer
-from sonar_ngram.settings import resolve_lookup_bounds
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo
@@ -58,27 +58,7 @@ def sonar_validate_speculative_config(
     checkpoint, and a warning for probabilistic drafting. Other methods are not checked here."""
     if config.method not in METHODS:
         return None
-    method = config.method
-    errors: list[ConfigError] = []
-    for field in ("prompt_lookup_min", "prompt_lookup_max"):
-        value = getattr(config, field)
-        if value is not None and value < 1:
-            errors.append(
-                ConfigError(
-                    field,
-                    f"{field}={value} is not a valid n-gram length for method {method!r}",
-                    f"set {field} to 1 or more",
-                )
-            )
-    bounds = resolve_lookup_bounds(config.prompt_lookup_min, config.prompt_lookup_max)
-    if not errors and bounds.min_n > bounds.max_n:
-        errors.append(
-            ConfigError(
-                "prompt_lookup_min",
-                f"prompt_lookup_min={bounds.min_n} is greater than prompt_lookup_max={bounds.max_n}",
-                f"set prompt_lookup_min to at most {bounds.max_n}, or raise prompt_lookup_max",
-            )
-        )
+    errors = lookup_bound_errors(config.prompt_lookup_min, config.prompt_lookup_max, config.method)
     if config.model not in _METHOD_NAMES_AS_MODEL:
         refused = checkpoint_refused(config, "the request's own tokens")
         if refused is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sonar_core.spec_decode.prompt_lookup import LookupBounds, TokenHistory, find_draft, resolve_lookup_bounds
 from sonar_core.spec_decode.proposer import (
     DraftProposal,
     ProposalRequest,
@@ -22,9 +23,7 @@ from sonar_core.spec_decode.proposer import (
     ProposerCapabilities,
     ProposerContext,
 )
-from sonar_ngram.lookup import TokenHistory, find_draft
 from sonar_ngram.lookup_device import DeviceTokenSlots, batch_find_drafts
-from sonar_ngram.settings import LookupBounds, resolve_lookup_bounds
 
 
 class NgramProposer(Proposer):

@@ -1,6 +1,8 @@
 """Prompt lookup on the host: find the last n tokens earlier in the sequence and copy what followed.
 
-Rule (shared with :mod:`sonar_ngram.lookup_device`, which must give identical drafts):
+The ``ngram`` method drafts with it alone; a learned method can put it in front of its head
+(:mod:`sonar_core.spec_decode.lookup_first`). Rule (shared with ``sonar_ngram.lookup_device``,
+which must give identical drafts):
 
 - the pattern is the last ``n`` tokens; ``n`` runs from ``max_n`` down to ``min_n`` and the first
   (longest) ``n`` with an earlier occurrence wins;
@@ -21,10 +23,15 @@ costs one O(L) numpy pass plus a few tiny ones, and a fully repetitive sequence 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from sonar_core.errors import ConfigError
+
 TOKEN_DTYPE = np.int32
+# Both bounds when neither prompt_lookup_min nor prompt_lookup_max is set (vLLM's default).
+DEFAULT_PROMPT_LOOKUP = 5
 
 _EMPTY = np.empty(0, dtype=TOKEN_DTYPE)
 
@@ -95,3 +102,44 @@ class TokenHistory:
     def view(self) -> np.ndarray:
         """The tokens held, without copying."""
         return self._buffer[: self.length]
+
+
+@dataclass(frozen=True)
+class LookupBounds:
+    """Inclusive range of n-gram lengths to match; the longest length that matches wins."""
+
+    min_n: int
+    max_n: int
+
+
+def resolve_lookup_bounds(prompt_lookup_min: int | None, prompt_lookup_max: int | None) -> LookupBounds:
+    """The bounds of ``prompt_lookup_min`` / ``prompt_lookup_max`` with vLLM's rule for unset ones,
+    so configs carry over: neither set, both are 5; one set, the other takes its value (a single
+    n-gram length); both set, as given. Range checks are :func:`lookup_bound_errors`'."""
+    if prompt_lookup_min is None and prompt_lookup_max is None:
+        return LookupBounds(DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP)
+    if prompt_lookup_min is None:
+        return LookupBounds(prompt_lookup_max, prompt_lookup_max)
+    if prompt_lookup_max is None:
+        return LookupBounds(prompt_lookup_min, prompt_lookup_min)
+    return LookupBounds(prompt_lookup_min, prompt_lookup_max)
+
+
+def lookup_bound_errors(prompt_lookup_min: int | None, prompt_lookup_max: int | None, method: str) -> list[ConfigError]:
+    """The bound rules of any method that looks up its prompt: each set bound at least 1, and the
+    minimum not above the maximum once the defaults are applied."""
+    errors = [
+        ConfigError(field, f"{field}={value} is not a valid n-gram length for method {method!r}", f"set {field} to 1 or more")
+        for field, value in (("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max))
+        if value is not None and value < 1
+    ]
+    bounds = resolve_lookup_bounds(prompt_lookup_min, prompt_lookup_max)
+    if not errors and bounds.min_n > bounds.max_n:
+        errors.append(
+            ConfigError(
+                "prompt_lookup_min",
+                f"prompt_lookup_min={bounds.min_n} is greater than prompt_lookup_max={bounds.max_n}",
+                f"set prompt_lookup_min to at most {bounds.max_n}, or raise prompt_lookup_max",
+            )
+        )
+    return errors
