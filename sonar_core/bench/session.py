@@ -31,7 +31,7 @@ from sonar_core.config import EngineConfig, validate_config
 from sonar_core.entrypoints.args import engine_config_from_args
 from sonar_core.errors import ConfigError
 from sonar_core.model_files import DEFAULT_MODEL_NAME
-from sonar_core.plugins import SONAR_METHOD_PACKAGES, get_plugin_manager
+from sonar_core.plugins import SONAR_METHOD_PACKAGES, get_plugin_manager, install_command
 
 # Settings the benchmark sets per row itself; the rest of the engine flags pass through.
 _PER_ROW_FIELDS = {"model", "speculative_config", "dtype", "device"}
@@ -134,7 +134,7 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
     registry = manager.method_registry
     if row.method not in registry and row.method in SONAR_METHOD_PACKAGES:
         package = SONAR_METHOD_PACKAGES[row.method]
-        return RowSpec(row.engine, row.method, row.options, unavailable=f"method not installed (pip install {package})")
+        return RowSpec(row.engine, row.method, row.options, unavailable=f"method not installed ({install_command(package)})")
     model = {"model": row.target_dir} if row.target_dir else {}
     config = EngineConfig.build(**{**base.model_dump(exclude_unset=True), **model, "speculative_config": row.options})
     validate_config(config, manager, log_warnings=False)

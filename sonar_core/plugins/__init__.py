@@ -27,6 +27,7 @@ from sonar_core.plugins.registry import (
     DraftArchitecture,
     MethodRegistry,
     MethodSpec,
+    install_command,
 )
 from sonar_core.plugins.rules import (
     checkpoint_refused,
@@ -41,6 +42,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "MTP_LEGACY_METHOD_NAMES",
     "SONAR_METHOD_PACKAGES",
+    "install_command",
     "TRACE_ENV",
     "MethodRegistry",
     "DraftArchitecture",

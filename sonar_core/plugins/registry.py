@@ -128,6 +128,16 @@ SONAR_METHOD_PACKAGES: Mapping[str, str] = MappingProxyType(
 )
 
 
+def install_command(package: str, *, reinstall: bool = False) -> str:
+    """How to install one of Sonar's distributions. They are not published on a package index
+    yet: each installs from its folder of a Sonar checkout (``plugins/<name>``, the checkout
+    itself for sonar-core), which is what this says, so that no hint names a package pip cannot
+    find."""
+    folder = "." if package == "sonar-core" else f"plugins/{package}"
+    flags = "--force-reinstall " if reinstall else ""
+    return f"pip install {flags}-e {folder} (in a Sonar checkout; {package} installs from that folder)"
+
+
 class MethodRegistry:
     """Every speculation method of this process, by name and by alias.
 
@@ -225,7 +235,7 @@ class MethodRegistry:
             return ConfigError(
                 field,
                 f"method {name!r} comes from {package}, which is installed but failed to load ({who}: {error})",
-                f"reinstall it: pip install --force-reinstall {package}",
+                f"reinstall it: {install_command(package, reinstall=True)}",
             )
         if package is not None and package in self.not_loaded:
             return ConfigError(
@@ -239,14 +249,14 @@ class MethodRegistry:
             return ConfigError(
                 field,
                 f"method {name!r} is not installed. Installed methods: {installed}",
-                f"install the package that provides it: pip install {package}",
+                f"install the package that provides it: {install_command(package)}",
             )
         known = {candidate.lower(): candidate for candidate in [*SONAR_METHOD_PACKAGES, *self._methods, *self._aliases]}
         close = difflib.get_close_matches(name.lower(), list(known), n=1)
         hint = ""
         if close:
             match = known[close[0]]
-            provider = "" if match in self else f" (pip install {SONAR_METHOD_PACKAGES[match]})"
+            provider = "" if match in self else f" (from {SONAR_METHOD_PACKAGES[match]}: {install_command(SONAR_METHOD_PACKAGES[match])})"
             hint = f"did you mean {match!r}{provider}? Otherwise, "
         failed = "".join(f"; {who} failed to load ({error})" for who, error in self.failed.values())
         return ConfigError(

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +28,23 @@ CLI_PLUGINS = "custom_class,sonar_test"
 
 
 @pytest.fixture(scope="session")
-def test_plugin_installed() -> str:
-    """Install the sonar-test-plugin distribution (editable) into this environment once."""
-    try:
-        importlib.metadata.distribution("sonar-test-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-             "--no-build-isolation", "-e", str(TEST_PLUGIN_DIR)],
-            check=True,
-        )
-        importlib.invalidate_caches()
-    if importlib.util.find_spec("sonar_test_plugin") is None:
-        # An editable install is put on the import path when an interpreter starts; this one started
-        # before the install.
-        sys.path.insert(0, str(TEST_PLUGIN_DIR / "src"))
-    return "sonar-test-plugin"
+def test_plugin_installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Install the sonar-test-plugin distribution into a throw-away folder, never into the user's
+    environment: the folder goes on this interpreter's import path (its entry points are found
+    from there) and on ``PYTHONPATH`` for the commands ``run_aphrodite`` starts. Returns the folder."""
+    site = tmp_path_factory.mktemp("test-plugin-site")
+    source = tmp_path_factory.mktemp("test-plugin-source") / TEST_PLUGIN_DIR.name
+    shutil.copytree(TEST_PLUGIN_DIR, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+         "--no-build-isolation", "--target", str(site), str(source)],
+        check=True,
+    )
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    yield site
+    sys.path.remove(str(site))
+    importlib.invalidate_caches()
 
 
 @pytest.fixture(autouse=True)
@@ -85,14 +86,17 @@ def manager_with() -> Callable[..., SonarPluginManager]:
 
 
 @pytest.fixture
-def run_aphrodite(test_plugin_installed: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+def run_aphrodite(test_plugin_installed: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run the installed ``aphrodite`` command with the test plugins loaded, offline."""
 
     def run(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
-        """``env`` adds variables; a None value removes one (None for SONAR_PLUGINS loads all)."""
+        """``env`` adds variables; a None value removes one (None for SONAR_PLUGINS loads all). A
+        ``PYTHONPATH`` given is put in front of the test plugin's folder."""
         environ: dict[str, str | None] = {**os.environ, "SONAR_PLUGINS": CLI_PLUGINS, "HF_HUB_OFFLINE": "1"}
         environ.pop("SONAR_TRACE_HOOKS", None)
         environ.update(env or {})
+        paths = [environ.get("PYTHONPATH"), str(test_plugin_installed)]
+        environ["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
         return subprocess.run(
             [str(APHRODITE), *args],
             capture_output=True,

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sonar_core.config import SpeculativeConfig, TargetInfo, validate_speculative_config
 from sonar_core.errors import ConfigError
-from sonar_core.plugins import MTP_LEGACY_METHOD_NAMES, SONAR_METHOD_PACKAGES, hookimpl
+from sonar_core.plugins import MTP_LEGACY_METHOD_NAMES, SONAR_METHOD_PACKAGES, hookimpl, install_command
 
 DOCUMENTED_METHODS = (
     "mtp", "dspark", "dflash", "eagle", "eagle3", "draft_model", "mlp_speculator", "medusa", "ngram",
@@ -46,7 +46,8 @@ def test_unknown_sonar_method_names_its_package(method, lookup):
         validate({"method": method, "num_speculative_tokens": 2}, lookup)
     error = info.value
     assert error.field == "speculative_config.method"
-    assert f"pip install {SONAR_METHOD_PACKAGES[method]}" in error.fix
+    assert install_command(SONAR_METHOD_PACKAGES[method]) in error.fix
+    assert "pip install -e " in error.fix
     assert "Installed methods: lookup" in error.message
 
 
@@ -59,7 +60,7 @@ def test_unknown_method_lists_installed_methods_and_suggests_the_closest(manager
 
 
 def test_unknown_method_typo_of_a_sonar_method_suggests_its_package(lookup):
-    with pytest.raises(ConfigError, match=r"did you mean 'dflash' \(pip install sonar-dflash\)"):
+    with pytest.raises(ConfigError, match=r"did you mean 'dflash' \(from sonar-dflash: pip install -e plugins/sonar-dflash"):
         validate({"method": "dflsh", "num_speculative_tokens": 2}, lookup)
 
 

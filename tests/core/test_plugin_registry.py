@@ -41,7 +41,7 @@ def test_resolve_names_and_aliases(registry):
 
 
 def test_resolve_unknown_is_a_config_error(registry):
-    with pytest.raises(ConfigError, match="pip install sonar-eagle"):
+    with pytest.raises(ConfigError, match="pip install -e plugins/sonar-eagle"):
         registry.resolve("eagle3")
 
 
@@ -99,4 +99,7 @@ def test_a_method_of_a_package_that_failed_to_load_carries_the_import_error(regi
         registry.resolve("suffix")
     assert "comes from sonar-suffix, which is installed but failed to load" in info.value.message
     assert "ImportError: arctic_inference is broken" in info.value.message
-    assert info.value.fix == "reinstall it: pip install --force-reinstall sonar-suffix"
+    assert info.value.fix == (
+        "reinstall it: pip install --force-reinstall -e plugins/sonar-suffix (in a Sonar checkout; sonar-suffix installs from "
+        "that folder)"
+    )

@@ -118,8 +118,8 @@ def test_missing_arctic_inference_is_a_config_error_with_the_install_command(
     error = raised.value
     assert error.field == "speculative_config.method"
     assert "arctic_inference.suffix_decoding cannot be imported" in error.message
-    assert "pip install sonar-suffix" in error.fix
-    assert "PIP_CONSTRAINT=constraints.txt pip install sonar-suffix" in error.fix
+    assert "pip install -e plugins/sonar-suffix" in error.fix
+    assert "PIP_CONSTRAINT=constraints.txt pip install -e plugins/sonar-suffix" in error.fix
     assert "torch==2." in error.fix
 
 

@@ -199,4 +199,4 @@ def test_choosing_suffix_without_arctic_inference_fails_at_startup_with_the_inst
     with pytest.raises(ConfigError) as raised:
         make_llm(model_dir, suffix_config(4))
     assert raised.value.field == "speculative_config.method"
-    assert "pip install sonar-suffix" in raised.value.fix
+    assert "pip install -e plugins/sonar-suffix" in raised.value.fix

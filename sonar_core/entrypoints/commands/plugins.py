@@ -13,6 +13,7 @@ from sonar_core.plugins import (
     SONAR_METHOD_PACKAGES,
     MethodRegistry,
     get_plugin_manager,
+    install_command,
 )
 
 NAME = "plugins"
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(f"{item['entry_point']} ({item['distribution']} {item['version']})" for item in not_loaded)
         print(f"\nInstalled but not loaded (SONAR_PLUGINS): {names}")
     if failed:
-        print("\nInstalled but failed to load (fix: pip install --force-reinstall DISTRIBUTION):")
+        print("\nInstalled but failed to load (fix: pip install --force-reinstall -e plugins/DISTRIBUTION in a Sonar checkout):")
         for item in failed:
             print(f"  {item['entry_point']} ({item['distribution']} {item['version']}): {item['error']}")
     if missing:
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             by_package.setdefault(package, []).append(method)
         print("\nSonar methods not installed:")
         for package, methods in by_package.items():
-            print(f"  {', '.join(methods)}: pip install {package}")
+            print(f"  {', '.join(methods)}: {install_command(package)}")
     return status
 
 

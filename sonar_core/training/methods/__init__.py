@@ -11,6 +11,7 @@ import importlib
 import torch
 
 from sonar_core.errors import ConfigError
+from sonar_core.plugins import install_command
 from sonar_core.training.methods.base import HeadOptions, HeadTrainer
 from sonar_core.training.target import TrainingTarget
 
@@ -44,7 +45,7 @@ def build_trainer(
         importlib.import_module(_PLUGIN_MODULES[method])
     except ImportError:
         raise ConfigError(
-            "method", f"training {method} needs its plugin, which is not installed", f"pip install {METHODS[method][0]}"
+            "method", f"training {method} needs its plugin, which is not installed", install_command(METHODS[method][0])
         ) from None
     if method == "eagle3":
         from sonar_core.training.methods.eagle3 import Eagle3Trainer

@@ -34,11 +34,11 @@ def missing_arctic_error(cause: ImportError) -> ConfigError:
         "method",
         f"method 'suffix' drafts from arctic-inference's suffix trees, but {ARCTIC_MODULE} cannot be "
         f"imported ({cause})",
-        "install the plugin with its dependencies: pip install sonar-suffix. arctic-inference ships only "
+        "install the plugin with its dependencies: pip install -e plugins/sonar-suffix (in a Sonar checkout). "
+        "arctic-inference ships only "
         "as source and its build asks for torch; pass a constraint file so that the build uses the "
         f"torch installed here instead of downloading another: echo '{torch_pin}' > constraints.txt && "
-        "PIP_CONSTRAINT=constraints.txt pip install sonar-suffix (in the Sonar repository, "
-        "scripts/install.sh does this)",
+        "PIP_CONSTRAINT=constraints.txt pip install -e plugins/sonar-suffix (scripts/install.sh does this)",
     )
 
 
