@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # configuration checks import this module; they must not wait for torch
+    import torch
 
 DEFAULT_BACKEND = "TORCH_SDPA"
 

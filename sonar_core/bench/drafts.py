@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from sonar_core.models.gguf import cache_root
+from sonar_core.model_files import cache_root
 
 
 def truncated_draft(target_dir: Path, num_layers: int, root: Path | None = None) -> Path:

@@ -86,6 +86,9 @@ class RowFigures:
     # Filled by compare(): against the same engine's plain row, and against Sonar's plain row.
     speedup: float | None = None
     vs_sonar: float | None = None
+    # True when either row of the ratio was measured under load or with disagreeing passes.
+    speedup_unreliable: bool = False
+    vs_sonar_unreliable: bool = False
     match_plain: float | None = None
     match_sonar: float | None = None
     prefix_agreement_sonar: float | None = None

@@ -70,6 +70,12 @@ def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return f"{value:.{digits}f}{suffix}"
 
 
+def _ratio(value: float | None, unreliable: bool) -> str:
+    """A ratio, marked ``?`` when a row it compares is unreliable (see RowResult.unreliable)."""
+    text = _num(value, 2, "x")
+    return f"{text}?" if unreliable and text != "–" else text
+
+
 def _mib(value: int | None) -> str:
     return "–" if value is None else f"{value / MIB:.0f}"
 
@@ -91,8 +97,8 @@ def row_cells(item: RowResult) -> list[str]:
         _s(figures.e2e),
         _num(figures.request_throughput, 3),
         _num(figures.output_throughput, 1),
-        _num(figures.speedup, 2, "x"),
-        _num(figures.vs_sonar, 2, "x"),
+        _ratio(figures.speedup, figures.speedup_unreliable),
+        _ratio(figures.vs_sonar, figures.vs_sonar_unreliable),
         _mib(figures.peak_rss_bytes if figures.peak_device_bytes is None else figures.peak_device_bytes),
         _mib(figures.kv_cache_bytes),
         _num(acceptance.mean_acceptance_length) if acceptance else "–",
@@ -148,11 +154,26 @@ def _notes(results: Sequence[RowResult]) -> list[str]:
             notes.append(f"fastest of {len(item.pass_throughputs)} passes (output tok/s per pass: {spread})")
         if item.quiet is False:
             notes.append("other work kept the machine busy in every attempt: these figures are less reliable")
+        if item.unreliable:
+            notes.append(f"unreliable: {item.unreliable}; a ratio marked ? involves it and is not a measured speedup")
         for note in notes:
             labels = by_note.setdefault(note, [])
             if item.label not in labels:
                 labels.append(item.label)
-    return [f"{', '.join(labels)}: {note}" for note, labels in by_note.items()]
+    lines = [f"{', '.join(labels)}: {note}" for note, labels in by_note.items()]
+    if any(_differs_from_plain(item) for item in results):
+        lines.append(
+            "= plain: the share of requests whose output equals the plain row's token for token. Below 100% in "
+            "bfloat16 or float16 is expected: verifying several tokens in one pass rounds differently from one "
+            "token at a time, so a near-tie can go the other way and the outputs part from there (the normal "
+            "numerical differences of speculative decoding); in float32 they are equal (tested)."
+        )
+    return lines
+
+
+def _differs_from_plain(item: RowResult) -> bool:
+    figures = item.figures
+    return figures is not None and figures.match_plain is not None and figures.match_plain < 1.0
 
 
 def to_json(meta: TableMeta, results: Sequence[RowResult]) -> dict[str, Any]:

@@ -30,8 +30,24 @@ class RowResult:
     def label(self) -> str:
         return self.row.label
 
+    @property
+    def unreliable(self) -> str | None:
+        """Why this row's figures cannot be trusted for a ratio (None: nothing seen): other work
+        kept more than NOISY_OTHER_CPU cores busy while it ran, or its passes disagree by more
+        than NOISY_PASS_SPREAD. Whether a quiet policy was set or not."""
+        if self.quiet is False or (self.other_cpu is not None and self.other_cpu > NOISY_OTHER_CPU):
+            return f"other work kept {self.other_cpu:.1f} cores busy while it ran"
+        speeds = [speed for speed in self.pass_throughputs if speed > 0]
+        if len(speeds) > 1 and max(speeds) / min(speeds) > 1 + NOISY_PASS_SPREAD:
+            return f"its passes differ by {100 * (max(speeds) / min(speeds) - 1):.0f}%"
+        return None
+
 
 Run = TypeVar("Run")
+# Beyond these a row is flagged and no ratio is stated from it without a mark: cores other work
+# kept busy while the row ran, and the relative spread of its passes' throughputs.
+NOISY_OTHER_CPU = 0.5
+NOISY_PASS_SPREAD = 0.2
 
 
 def measure_in_passes(runs: Sequence[Run], measure: Callable[[Run], RowResult], passes: int) -> list[RowResult]:
@@ -82,9 +98,11 @@ def compare(results: Sequence[RowResult]) -> None:
         if plain is not None:
             _, plain_figures, plain_result = plain
             figures.speedup = ratio(figures.output_throughput, plain_figures.output_throughput)
+            figures.speedup_unreliable = bool(item.unreliable or plain[0].unreliable)
             figures.match_plain = match_rate(result.requests, plain_result.requests)
         if sonar is not None:
             _, sonar_figures, sonar_result = sonar
             figures.vs_sonar = ratio(figures.output_throughput, sonar_figures.output_throughput)
+            figures.vs_sonar_unreliable = bool(item.unreliable or sonar[0].unreliable)
             figures.match_sonar = match_rate(result.requests, sonar_result.requests)
             figures.prefix_agreement_sonar = prefix_agreement(result.requests, sonar_result.requests)

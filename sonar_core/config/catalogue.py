@@ -56,6 +56,10 @@ class MethodCatalogue(Protocol):
         """The method ``requested`` names (itself, a registered alias, or a plugin's alias rule);
         raises :class:`~sonar_core.errors.ConfigError` on ``speculative_config.method`` when none."""
 
+    def is_old_name(self, requested: str) -> bool:
+        """Whether ``requested``, which resolves to another method name, is an old name of it
+        (warned about) rather than a plain alias (accepted silently)."""
+
     def methods_for_draft_architecture(self, architecture: str) -> list[str]:
         """The installed methods that registered ``architecture`` as a draft architecture."""
 

@@ -44,7 +44,7 @@ def parse_json_object(text: str, field: str = "speculative_config", *, note: str
         raise ConfigError(
             field,
             f"the value is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}{suffix}",
-            SHELL_QUOTING_ADVICE,
+            SHELL_QUOTING_ADVICE if note or _looks_unquoted(text, exc.pos) else _syntax_fix(text, exc.pos),
             detail=point_at(text, exc.lineno, exc.colno),
         ) from None
     except _DuplicateKeyError as exc:
@@ -61,6 +61,21 @@ def parse_json_object(text: str, field: str = "speculative_config", *, note: str
             detail=point_at(text, 1, 1),
         )
     return value
+
+
+def _looks_unquoted(text: str, position: int) -> bool:
+    """Whether parsing stopped at a bare word (``{method: ngram}``): the shell ate the quotes."""
+    return position < len(text) and (text[position].isalpha() or text[position] == "_")
+
+
+def _syntax_fix(text: str, position: int) -> str:
+    """The fix for a JSON mistake the shell did not cause: an object cut short, or a stray
+    character (a trailing comma, a missing one)."""
+    if not text[position:].strip():
+        opened = text.count("{") - text.count("}")
+        closing = f" ({opened} closing brace{'s' if opened > 1 else ''} missing)" if opened > 0 else ""
+        return f"the object ends before it is complete{closing}: finish it, e.g. with a closing }}"
+    return "fix the JSON at the caret: keys and string values in double quotes, entries separated by commas, no comma before }"
 
 
 def point_at(text: str, lineno: int, colno: int) -> str:

@@ -181,7 +181,7 @@ def _resolve_method(
             'Set "method" explicitly to silence this warning.'
         )
     spec = methods.resolve_method(requested, target)
-    if spec.name != requested and config.method is not None:
+    if spec.name != requested and config.method is not None and methods.is_old_name(requested):
         warnings.append(
             f'{FIELD}.method: {requested!r} is an old name of {spec.name!r}; write "method": '
             f'"{spec.name}" in new configurations.'

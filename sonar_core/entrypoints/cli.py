@@ -19,9 +19,9 @@ from types import ModuleType
 from sonar_core import __version__
 from sonar_core.entrypoints import commands
 from sonar_core.entrypoints.args import check_leftover_args
+from sonar_core.entrypoints.logging_format import LOG_DATE_FORMAT, LOG_FORMAT, LOG_LEVEL_ENV
 from sonar_core.errors import ConfigError, PluginError
 
-LOG_LEVEL_ENV = "SONAR_LOGGING_LEVEL"
 EXIT_CONFIG_ERROR = 2
 EXIT_PLUGIN_ERROR = 1
 
@@ -80,6 +80,6 @@ def configure_logging() -> None:
     level = logging.getLevelName(name)
     logging.basicConfig(
         level=level if isinstance(level, int) else logging.INFO,
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        format=LOG_FORMAT,
+        datefmt=LOG_DATE_FORMAT,
     )

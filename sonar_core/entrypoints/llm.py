@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence as SequenceLike
 from typing import Any
 
@@ -9,9 +11,10 @@ from tqdm.auto import tqdm
 
 from sonar_core.config import EngineConfig, SpeculativeConfig
 from sonar_core.engine.llm_engine import LLMEngine
+from sonar_core.entrypoints.logging_format import LOG_DATE_FORMAT, LOG_FORMAT, LOG_LEVEL_ENV
 from sonar_core.outputs import RequestOutput
 from sonar_core.sampling_params import SamplingParams
-from sonar_core.spec_decode.metrics import SpecDecodingSummary
+from sonar_core.spec_decode.metrics import SpecDecodingLogging, SpecDecodingSummary
 
 Prompt = str | list[int]
 ChatMessage = dict[str, Any]
@@ -23,6 +26,10 @@ class LLM:
     ``model=None`` uses the embedded default model. Keyword arguments are the engine's
     configuration fields (``max_model_len``, ``max_num_seqs``, ``dtype``, ``device``, ``seed``,
     ``speculative_config`` ...), validated with the same rules as the command line.
+
+    As in vLLM, ``disable_log_stats`` defaults to True here; with False, generation logs the
+    ``SpecDecoding metrics`` line every ``stats_interval_s`` seconds and once at the end of each
+    :meth:`generate` call, as ``aphrodite serve`` does.
     """
 
     def __init__(
@@ -30,10 +37,21 @@ class LLM:
         model: str | None = None,
         *,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        disable_log_stats: bool = True,
+        stats_interval_s: float = 5.0,
         **engine_args: Any,
     ) -> None:
-        config = EngineConfig.build(model=model, speculative_config=speculative_config, **engine_args)
+        config = EngineConfig.build(
+            model=model, speculative_config=speculative_config, disable_log_stats=disable_log_stats, **engine_args
+        )
+        _show_sonar_logs()
         self.engine = LLMEngine(config)
+        speculating = self.engine.speculator is not None
+        self._spec_logging = (
+            SpecDecodingLogging(self.engine.spec_stats.num_speculative_tokens, stats_interval_s)
+            if speculating and not disable_log_stats
+            else None
+        )
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -55,7 +73,19 @@ class LLM:
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
+                self._log_stats(final=False)
+        self._log_stats(final=True)
         return [final[i] for i in ids]
+
+    def _log_stats(self, final: bool) -> None:
+        """The periodic ``SpecDecoding metrics`` line (and the rest of the interval at the end)."""
+        if self._spec_logging is None:
+            return
+        self._spec_logging.follow(self.engine.spec_stats)
+        if final:
+            self._spec_logging.log()
+        else:
+            self._spec_logging.maybe_log()
 
     def chat(
         self,
@@ -77,6 +107,25 @@ class LLM:
     def get_spec_decode_metrics(self) -> SpecDecodingSummary:
         """Acceptance figures accumulated since the engine started."""
         return self.engine.spec_stats.summary()
+
+
+def _show_sonar_logs() -> None:
+    """Give Sonar's loggers (``sonar.*``, and ``sonar_core.*`` for modules named by ``__name__``)
+    a stderr handler at INFO (``SONAR_LOGGING_LEVEL``) when the program has configured no logging
+    at all, so that the Python API shows the "engine ready" line, warnings and statistics the
+    command line shows. A program with handlers of its own keeps them alone;
+    ``SONAR_CONFIGURE_LOGGING=0`` turns this off."""
+    loggers = [logging.getLogger(name) for name in ("sonar", "sonar_core")]
+    if os.environ.get("SONAR_CONFIGURE_LOGGING", "1") == "0" or logging.getLogger().handlers:
+        return
+    level = logging.getLevelName(os.environ.get(LOG_LEVEL_ENV, "INFO").strip().upper())
+    for logger in loggers:
+        if logger.handlers:
+            continue
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=LOG_DATE_FORMAT))
+        logger.addHandler(handler)
+        logger.setLevel(level if isinstance(level, int) else logging.INFO)
 
 
 def _as_prompt_list(prompts: Prompt | SequenceLike[Prompt]) -> list[Prompt]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -52,8 +53,24 @@ def allocate_kv_cache(
         shape = (num_blocks, block_size, spec.num_kv_heads)
         caches.append(
             (
-                torch.zeros((*shape, spec.head_dim), dtype=dtype, device=device),
-                torch.zeros((*shape, spec.value_dim), dtype=dtype, device=device),
+                zeros((*shape, spec.head_dim), dtype, device),
+                zeros((*shape, spec.value_dim), dtype, device),
             )
         )
     return caches
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose CPU memory is zeroed lazily.
+
+    ``torch.zeros`` writes every byte up front: for the default 2 GiB CPU cache that is seconds of
+    page faults before the engine is ready, for memory most runs never touch. numpy's ``zeros``
+    asks the allocator for zeroed memory (``calloc``), which the kernel hands out as zero pages
+    that become real on first write. The bytes are the same (+0.0 is all-zero bits in every float
+    format), the tensor owns the array's memory, and CUDA keeps ``torch.zeros``.
+    """
+    if torch.device(device).type != "cpu" or 0 in shape:  # (MLA's value caches are empty)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(shape + (element,), dtype=np.uint8))
+    return raw.view(dtype).view(shape)

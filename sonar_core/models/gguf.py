@@ -10,7 +10,6 @@ interrupted conversion never leaves a half-written cache behind.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,28 +17,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sonar_core.model_files import cache_root, file_cache_key, file_identity
+
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SONAR_CACHE_DIR"
-DEFAULT_CACHE_DIR = "~/.cache/sonar"
 SOURCE_RECORD = "sonar_gguf_source.json"
-
-
-def cache_root() -> Path:
-    """``$SONAR_CACHE_DIR``, or ``~/.cache/sonar``."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
-
-
-def _source_identity(gguf_path: Path) -> dict[str, object]:
-    stat = gguf_path.stat()
-    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where the conversion of ``gguf_path`` lives (whether or not it exists yet)."""
-    identity = json.dumps(_source_identity(Path(gguf_path)), sort_keys=True)
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{Path(gguf_path).stem}-{digest}"
+    return cache_root() / "gguf" / file_cache_key(Path(gguf_path))
 
 
 def is_converted(folder: Path) -> bool:
@@ -88,4 +75,4 @@ def _write_hf_folder(gguf_path: Path, out: Path) -> None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / SOURCE_RECORD).write_text(json.dumps(_source_identity(gguf_path), indent=2) + "\n")
+    (out / SOURCE_RECORD).write_text(json.dumps(file_identity(gguf_path), indent=2) + "\n")

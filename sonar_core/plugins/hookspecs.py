@@ -24,7 +24,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @hookspec
 def sonar_register_methods(registry: MethodRegistry) -> None:
-    """Register speculation methods with ``registry.register(MethodSpec(...), aliases=(...))``.
+    """Register speculation methods with ``registry.register(MethodSpec(...), aliases=(...),
+    old_names=(...))``: aliases are accepted silently, old names with a deprecation warning.
 
     Called once per plugin manager, for every plugin; each call adds to the same registry. A method
     name or alias that two plugins register is an error naming both distributions.
@@ -36,7 +37,8 @@ def sonar_resolve_method_alias(method: str, target: TargetInfo | None) -> str | 
     """Map a method name that is not registered as-is to a canonical one, or return None.
 
     For aliases that depend on the target (an old model-family name that maps to a generic method).
-    Static aliases belong in ``registry.register(..., aliases=...)``. The first non-None answer wins.
+    Static aliases belong in ``registry.register(..., aliases=...)``; a name mapped here is treated
+    as an old name (accepted with a deprecation warning). The first non-None answer wins.
     """
 
 

@@ -131,6 +131,11 @@ class SonarPluginManager(pluggy.PluginManager):
             )
         return spec
 
+    def is_old_name(self, requested: str) -> bool:
+        """A registered old name, or a name only a plugin's alias rule maps (old model-family names)."""
+        registry = self.method_registry
+        return registry.is_old_name(requested) or registry.get(requested) is None
+
     def methods_for_draft_architecture(self, architecture: str) -> list[str]:
         return [
             spec.name

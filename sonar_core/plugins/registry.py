@@ -149,6 +149,8 @@ class MethodRegistry:
     def __init__(self) -> None:
         self._methods: dict[str, MethodSpec] = {}
         self._aliases: dict[str, str] = {}
+        # Aliases that are old names of their method: accepted with a deprecation warning.
+        self._old_names: set[str] = set()
         self._source: tuple[str, str] | None = None
         # Distributions (normalised names) whose entry points were found but not loaded because of
         # the allow-list, with those entry-point names, so that an unknown method can say why it is
@@ -167,12 +169,17 @@ class MethodRegistry:
         finally:
             self._source = previous
 
-    def register(self, spec: MethodSpec, aliases: Iterable[str] = ()) -> None:
-        """Add ``spec`` under ``spec.name`` and each alias.
+    def register(self, spec: MethodSpec, aliases: Iterable[str] = (), old_names: Iterable[str] = ()) -> None:
+        """Add ``spec`` under ``spec.name``, each alias and each old name.
 
-        Raises :class:`~sonar_core.errors.DuplicateMethodError` when the name or an alias is
-        already taken (by any plugin, this one included); nothing is registered then.
+        ``aliases`` are other names of the method, accepted silently (a short name, a common
+        spelling); ``old_names`` are names it replaces, accepted with a warning to write
+        ``spec.name`` in new configurations (``deepseek_mtp`` for ``mtp``). Raises
+        :class:`~sonar_core.errors.DuplicateMethodError` when a name is already taken (by any
+        plugin, this one included); nothing is registered then.
         """
+        old_names = list(dict.fromkeys(old_names))
+        aliases = [*aliases, *old_names]
         if not isinstance(spec, MethodSpec):
             raise TypeError(f"register() takes a MethodSpec, got {type(spec).__name__}")
         if self._source is not None:
@@ -187,6 +194,11 @@ class MethodRegistry:
         self._methods[spec.name] = spec
         for alias in new_aliases:
             self._aliases[alias] = spec.name
+        self._old_names.update(name for name in old_names if name != spec.name)
+
+    def is_old_name(self, name: str) -> bool:
+        """Whether ``name`` was registered as an old name of a method (see :meth:`register`)."""
+        return name in self._old_names
 
     def get(self, name: str) -> MethodSpec | None:
         """The method registered under ``name`` or under ``name`` as an alias, or None."""
@@ -213,8 +225,12 @@ class MethodRegistry:
         """Every registered method name (aliases excluded), sorted."""
         return sorted(self._methods)
 
+    def old_names_of(self, name: str) -> tuple[str, ...]:
+        """The old names among :meth:`aliases_of` ``name``, sorted."""
+        return tuple(alias for alias in self.aliases_of(name) if alias in self._old_names)
+
     def aliases_of(self, name: str) -> tuple[str, ...]:
-        """The aliases registered for the method ``name``, sorted."""
+        """Every other name registered for the method ``name`` (aliases and old names), sorted."""
         return tuple(sorted(alias for alias, target in self._aliases.items() if target == name))
 
     def __contains__(self, name: object) -> bool:

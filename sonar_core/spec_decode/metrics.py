@@ -98,6 +98,24 @@ class SpecDecodingStats:
         for position, count in enumerate(other.num_accepted_tokens_per_pos):
             self.num_accepted_tokens_per_pos[position] += count
 
+    def copy(self) -> SpecDecodingStats:
+        copy = SpecDecodingStats(self.num_speculative_tokens)
+        copy.add(self)
+        return copy
+
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts gained since ``earlier``, a :meth:`copy` of these cumulative stats."""
+        return SpecDecodingStats(
+            num_speculative_tokens=self.num_speculative_tokens,
+            num_drafts=self.num_drafts - earlier.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
+            num_accepted_tokens_per_pos=[
+                now - before
+                for now, before in zip(self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos, strict=True)
+            ],
+        )
+
     def summary(self) -> SpecDecodingSummary:
         drafts = self.num_drafts
         return SpecDecodingSummary(
@@ -132,9 +150,20 @@ class SpecDecodingLogging:
         self._clock = clock
         self._interval = SpecDecodingStats(num_speculative_tokens)
         self._last_log_time = clock()
+        self._seen: SpecDecodingStats | None = None  # the cumulative counts follow() last saw
 
     def observe(self, stats: SpecDecodingStats) -> None:
         self._interval.add(stats)
+
+    def follow(self, cumulative: SpecDecodingStats) -> SpecDecodingStats | None:
+        """Observe what the engine's cumulative counts gained since the previous call (the first
+        call takes everything) and return that gain; None when there were no new drafts."""
+        delta = cumulative.since(self._seen) if self._seen is not None else cumulative.copy()
+        if not delta.num_drafts:
+            return None
+        self._seen = cumulative.copy()
+        self.observe(delta)
+        return delta
 
     def maybe_log(self) -> str | None:
         """Write the line when ``interval_s`` has passed since the last one; returns it, or None."""

@@ -83,3 +83,38 @@ process_resident_memory_bytes 1.5e+08
     assert snapshot.resident_memory_bytes == 150_000_000
     assert parse_metrics("").spec is None
     assert not math.isnan(snapshot.resident_memory_bytes)
+
+
+def _cells(text: str, label: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {label} "))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_a_row_measured_under_load_marks_every_ratio_it_takes_part_in() -> None:
+    rows = _rows()
+    rows[0].other_cpu = 0.9  # the plain row ran while other work kept most of a core busy
+    compare(rows)
+    text = render(_meta(), rows)
+    assert _cells(text, "sonar ngram k=2")[COLUMNS.index("speedup")] == "1.00x?"
+    assert _cells(text, "sonar")[COLUMNS.index("vs Sonar")] == "1.00x?"
+    assert "sonar: unreliable: other work kept 0.9 cores busy while it ran" in text
+
+
+def test_passes_that_disagree_mark_the_row_and_a_quiet_one_is_not_marked() -> None:
+    rows = _rows()
+    rows[1].pass_throughputs = [10.0, 14.0]
+    compare(rows)
+    text = render(_meta(), rows)
+    assert _cells(text, "sonar ngram k=2")[COLUMNS.index("speedup")] == "1.00x?"
+    assert "its passes differ by 40%" in text
+    assert _cells(text, "sonar")[COLUMNS.index("speedup")] == "1.00x"
+
+
+def test_outputs_that_differ_from_plain_are_explained_under_the_table() -> None:
+    rows = _rows()
+    assert "= plain: the share of requests" not in render(_meta(), rows)
+    rows[1].result.requests[0].token_ids = [1, 2, 4]
+    compare(rows)
+    text = render(_meta(), rows)
+    assert _cells(text, "sonar ngram k=2")[COLUMNS.index("= plain")] == "0%"
+    assert "= plain: the share of requests whose output equals the plain row's token for token" in text

@@ -17,6 +17,7 @@ class FakeMethodPlugin:
         self,
         name: str,
         aliases: tuple[str, ...] = (),
+        old_names: tuple[str, ...] = (),
         options_model: type[BaseModel] | None = None,
         rule: Callable[[Any, Any], list[str] | None] | None = None,
         create: Callable[[Any, Any], Any] | None = None,
@@ -29,6 +30,7 @@ class FakeMethodPlugin:
         self.claims = claims
         self.draft_architectures = draft_architectures
         self.aliases = aliases
+        self.old_names = old_names
         self.options_model = options_model
         self.rule = rule
         self.create = create or (lambda context, weights: None)
@@ -44,6 +46,7 @@ class FakeMethodPlugin:
                 draft_architectures=self.draft_architectures,
             ),
             aliases=self.aliases,
+            old_names=self.old_names,
         )
 
     @hookimpl

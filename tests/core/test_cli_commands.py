@@ -25,7 +25,7 @@ def test_plugins_lists_methods_aliases_distributions_and_versions(run_aphrodite)
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["METHOD", "ALIASES", "DISTRIBUTION", "VERSION", "DESCRIPTION"]
     echo = next(line for line in lines if line.startswith("echo_test"))
-    assert echo.split()[:4] == ["echo_test", "echo_alias", "sonar-test-plugin", "0.3.1"]
+    assert echo.split()[:6] == ["echo_test", "echo_alias;", "old:", "echo_v0", "sonar-test-plugin", "0.3.1"]
     assert next(line for line in lines if line.startswith("custom_class")).split()[1:3] == ["sonar-core", "0.1.0"]
     # Every Sonar method's package is installed here; the allow-list only leaves them out.
     assert "Sonar methods not installed:" not in lines
@@ -37,7 +37,8 @@ def test_plugins_as_json(run_aphrodite):
     data = json.loads(result.stdout)
     echo = next(row for row in data["methods"] if row["method"] == "echo_test")
     assert echo == {
-        "method": "echo_test", "aliases": ["echo_alias"], "distribution": "sonar-test-plugin", "version": "0.3.1",
+        "method": "echo_test", "aliases": ["echo_alias"], "old_names": ["echo_v0"], "distribution": "sonar-test-plugin",
+        "version": "0.3.1",
         "description": "Test method: repeats the last token",
     }
     assert data["not_installed"] == {}

@@ -36,6 +36,13 @@ def test_multi_line_value_points_at_the_line():
     assert error.detail.splitlines()[1] == "            ^"
 
 
+def test_an_object_cut_short_is_not_blamed_on_the_shell():
+    error = parse_error('{"method": "ngram", "num_speculative_tokens": 4')
+    assert error.fix == "the object ends before it is complete (1 closing brace missing): finish it, e.g. with a closing }"
+    trailing = parse_error('{"method": "ngram",}')
+    assert "no comma before }" in trailing.fix and "single quotes" not in trailing.fix
+
+
 def test_long_line_is_shown_around_the_error():
     text = '{"method": "ngram", "padding": "' + "x" * 200 + '", bad}'
     error = parse_error(text)

@@ -103,8 +103,15 @@ def test_method_unset_is_detected_from_the_draft_name(manager_with, make_model_d
     assert any("name contains 'eagle3'" in w for w in resolved.warnings)
 
 
-def test_registered_alias_resolves_with_a_warning(manager_with, caplog):
-    manager = manager_with(FakeMethodPlugin("mtp", aliases=("deepseek_mtp", "mimo_mtp")))
+def test_a_plain_alias_resolves_silently(manager_with):
+    manager = manager_with(FakeMethodPlugin("lookup", aliases=("pl",)))
+    resolved = validate({"method": "pl", "num_speculative_tokens": 1}, manager)
+    assert resolved.method == "lookup" and resolved.requested_method == "pl"
+    assert not resolved.warnings
+
+
+def test_registered_old_name_resolves_with_a_warning(manager_with, caplog):
+    manager = manager_with(FakeMethodPlugin("mtp", old_names=("deepseek_mtp", "mimo_mtp")))
     with caplog.at_level(logging.WARNING, logger="sonar.config"):
         resolved = validate({"method": "deepseek_mtp", "num_speculative_tokens": 1}, manager)
     assert resolved.method == "mtp"

@@ -99,3 +99,22 @@ def test_errors_name_the_callers_field(tmp_path):
 def test_config_json_file_itself(make_model_dir):
     folder = make_model_dir()
     assert target_info_for(str(folder / "config.json")).vocab_size == json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def test_gguf_metadata_is_read_once_then_cached(tmp_path, monkeypatch):
+    """Parsing a real vocabulary's metadata takes seconds, so the second check reads the cache."""
+    import gguf
+
+    monkeypatch.setenv("SONAR_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tiny.gguf")
+    first = target_info_for(str(path))
+    assert list((tmp_path / "cache" / "gguf-metadata").glob("tiny-*.json"))
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)
+    assert target_info_for(str(path)) == first
+    write_gguf(path)  # a changed file (new modification time) is read afresh
+    with pytest.raises(AssertionError, match="parsed again"):
+        target_info_for(str(path))

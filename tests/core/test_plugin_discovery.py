@@ -22,7 +22,8 @@ def test_entry_points_register_methods_with_their_distribution(manager):
     registry = manager.method_registry
     echo = registry.resolve("echo_test")
     assert (echo.distribution, echo.version) == ("sonar-test-plugin", "0.3.1")
-    assert registry.aliases_of("echo_test") == ("echo_alias",)
+    assert registry.aliases_of("echo_test") == ("echo_alias", "echo_v0")
+    assert registry.old_names_of("echo_test") == ("echo_v0",)
     custom = registry.resolve("custom_class")
     assert (custom.distribution, custom.version) == ("sonar-core", "0.1.0")
     assert manager.sources["sonar_test"].value == "sonar_test_plugin"

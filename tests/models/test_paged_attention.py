@@ -248,3 +248,15 @@ def test_unsupported_rope_is_refused():
     config = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
     with pytest.raises(ValueError, match="'yarn' is not supported"):
         RopeConfig.from_hf_config(config, head_dim=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_caches_are_zero_writable_and_independent(dtype):
+    """The CPU cache is allocated zeroed lazily (calloc pages, not a memset): it must read as
+    exact zeros, take writes, and share no memory between tensors."""
+    (k, v), (k2, v2) = allocate_kv_cache([KVLayerSpec(2, 8), KVLayerSpec(1, 4, value_head_dim=0)], 5, 4, dtype, "cpu")
+    assert k.shape == (5, 4, 2, 8) and v.shape == (5, 4, 2, 8) and k2.shape == (5, 4, 1, 4) and v2.numel() == 0
+    assert k.dtype == v.dtype == dtype and k.is_contiguous()
+    assert not k.any() and not v.any() and not k2.any()
+    k[1, 2, 0, 3] = 1.5
+    assert float(k.sum()) == 1.5 and not v.any() and not k2.any()

@@ -274,8 +274,10 @@ def test_bad_requests_get_openai_errors_and_leave_requests_in_flight_alone(
             if param is not None:
                 assert error["param"] == param, (body, error)
         malformed = http.post("/v1/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
-        assert malformed.status_code == 422
-        assert malformed.json()["error"]["type"] == "UnprocessableEntityError"
+        assert malformed.status_code == 400
+        error = malformed.json()["error"]
+        assert error["type"] == "BadRequestError" and error["param"] is None
+        assert error["message"].startswith("the request body is not valid JSON at character 17: Expecting property name")
         unknown_route = http.get("/v1/nothing-here")
         assert unknown_route.status_code == 404
         assert unknown_route.json()["error"]["type"] == "NotFoundError"

@@ -114,7 +114,7 @@ def test_a_model_that_cannot_load_exits_with_one_message(
     # 2 when the loader reports it as a configuration error (a path that does not exist), 1 otherwise.
     assert code in (1, 2)
     err = capsys.readouterr().err
-    assert err.startswith("error: ")
+    assert err.startswith("aphrodite serve: error: ")
     assert "no-such-model" in err
     assert "Traceback" not in err
 
@@ -128,5 +128,5 @@ def test_a_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[
         # The model does not exist either: reaching it would fail differently.
         assert run_server(EngineConfig(model="/no/such/model"), args) == 1
     err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err
-    assert "already in use" in err
+    assert err.startswith(f"aphrodite serve: error: cannot listen on 127.0.0.1:{port}")
+    assert "already in use" in err and "--port" in err

@@ -145,3 +145,30 @@ def test_counters_are_shared_per_registry_and_labelled_per_model() -> None:
     assert scraped[key] == 0
     with pytest.raises(ValueError, match="positions"):
         first.observe(SpecDecodingStats(num_speculative_tokens=2))
+
+
+def _repeating_prompts() -> list[list[int]]:
+    return [[5, 9, 12, 40, 7] * 6, list(range(20, 40)) * 2]
+
+
+def test_the_python_api_logs_the_line_when_asked_and_not_by_default(target_dir, tmp_path, caplog) -> None:
+    from aphrodite import LLM, SamplingParams
+    from sonar_core.testing.losslessness import constant_distribution_target
+
+    # A target that always says the same token: its output repeats, so the lookup drafts.
+    target_dir = constant_distribution_target(target_dir, tmp_path / "constant")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with caplog.at_level(logging.INFO, logger="sonar.spec_decode"):
+        LLM(model=str(target_dir), dtype="float32", speculative_config=config).generate(_repeating_prompts(), params)
+    assert not [r for r in caplog.records if "SpecDecoding metrics" in r.getMessage()]  # vLLM's default
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sonar.spec_decode"):
+        llm = LLM(model=str(target_dir), dtype="float32", speculative_config=config, disable_log_stats=False)
+        llm.generate(_repeating_prompts(), params, use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if "SpecDecoding metrics" in r.getMessage()]
+    # The interval has not passed in so short a run: the line comes at the end of generate().
+    assert len(lines) == 1
+    summary = llm.get_spec_decode_metrics()
+    assert f"Accepted: {summary.num_accepted_tokens} tokens, Drafted: {summary.num_draft_tokens} tokens" in lines[0]

@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     validate_config(engine_config, get_plugin_manager(), log_warnings=False)
     from aphrodite import LLM
 
-    llm = LLM(**engine_config.model_dump(exclude_unset=True))
+    # Statistics are logged unless --disable-log-stats (the Python API's default is the reverse).
+    llm = LLM(**{**engine_config.model_dump(exclude_unset=True), "disable_log_stats": engine_config.disable_log_stats})
     if args.chat:
         conversations = [[{"role": "user", "content": prompt}] for prompt in args.prompt]
         outputs = llm.chat(conversations, params, use_tqdm=False)

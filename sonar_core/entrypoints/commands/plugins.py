@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         {
             "method": spec.name,
-            "aliases": list(registry.aliases_of(spec.name)),
+            "aliases": [a for a in registry.aliases_of(spec.name) if not registry.is_old_name(a)],
+            "old_names": list(registry.old_names_of(spec.name)),
             "distribution": spec.distribution,
             "version": spec.version,
             "description": spec.description,
@@ -146,9 +147,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"methods": rows, "not_installed": missing, "not_loaded": not_loaded, "failed": failed}, indent=2))
         return status
     if rows:
-        table = [[row["method"], ", ".join(row["aliases"]), row["distribution"], row["version"], row["description"]]
+        table = [[row["method"], _other_names(row), row["distribution"], row["version"], row["description"]]
                  for row in rows]
         print(render_table(_COLUMNS, table, _WIDTHS))
+        if any(row["old_names"] for row in rows):
+            print("\nold: names a method replaces, accepted with a warning to write the method's name instead "
+                  '([ngram] is vLLM\'s legacy spelling, from "model": "[ngram]").')
     else:
         print("No speculation methods are installed.")
     if not_loaded:
@@ -166,6 +170,14 @@ def run(args: argparse.Namespace) -> int:
         for package, methods in by_package.items():
             print(f"  {', '.join(methods)}: {install_command(package)}")
     return status
+
+
+def _other_names(row: dict[str, Any]) -> str:
+    """The ALIASES cell: plain aliases, then the old names after "old:"."""
+    parts = [", ".join(row["aliases"])] if row["aliases"] else []
+    if row["old_names"]:
+        parts.append("old: " + ", ".join(row["old_names"]))
+    return "; ".join(parts)
 
 
 def _code(architecture: str) -> str:

@@ -143,7 +143,6 @@ class StatsRecorder:
         self.interval_s = interval_s
         self._clock = clock
         self._spec_stats = spec_stats
-        self._spec_seen = _copy_stats(spec_stats)
         self._spec_logging = SpecDecodingLogging(spec_stats.num_speculative_tokens, interval_s, clock)
         self._tracked: dict[str, _Tracked] = {}
         self._interval_prompt_tokens = 0
@@ -182,11 +181,9 @@ class StatsRecorder:
     def observe_engine(self, state: EngineState) -> None:
         """Update the gauges and pass on the speculative-decoding counts added since last time."""
         self.metrics.set_engine_state(state)
-        delta = _stats_delta(self._spec_stats, self._spec_seen)
-        if delta.num_drafts:
-            self._spec_seen = _copy_stats(self._spec_stats)
+        delta = self._spec_logging.follow(self._spec_stats)
+        if delta is not None:
             self.metrics.spec_decode.observe(delta)
-            self._spec_logging.observe(delta)
 
     def maybe_log(self, state: EngineState) -> None:
         """Write the periodic lines when ``interval_s`` has passed (only with log_stats)."""
@@ -214,23 +211,3 @@ class StatsRecorder:
         self._interval_prompt_tokens = 0
         self._interval_generation_tokens = 0
         self._last_log_time = now
-
-
-def _copy_stats(stats: SpecDecodingStats) -> SpecDecodingStats:
-    copy = SpecDecodingStats(stats.num_speculative_tokens)
-    copy.add(stats)
-    return copy
-
-
-def _stats_delta(current: SpecDecodingStats, seen: SpecDecodingStats) -> SpecDecodingStats:
-    """The counts ``current`` gained since it was copied into ``seen`` (both cumulative)."""
-    return SpecDecodingStats(
-        num_speculative_tokens=current.num_speculative_tokens,
-        num_drafts=current.num_drafts - seen.num_drafts,
-        num_draft_tokens=current.num_draft_tokens - seen.num_draft_tokens,
-        num_accepted_tokens=current.num_accepted_tokens - seen.num_accepted_tokens,
-        num_accepted_tokens_per_pos=[
-            now - before
-            for now, before in zip(current.num_accepted_tokens_per_pos, seen.num_accepted_tokens_per_pos, strict=True)
-        ],
-    )

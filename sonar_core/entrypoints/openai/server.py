@@ -180,6 +180,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+        if first.get("type") == "json_invalid":
+            # loc holds the character offset of the problem, not a field.
+            offset = next((part for part in first.get("loc", ()) if isinstance(part, int)), None)
+            where = f" at character {offset}" if offset is not None else ""
+            reason = (first.get("ctx") or {}).get("error", first["msg"])
+            return _error(400, f"the request body is not valid JSON{where}: {reason}", None)
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
@@ -641,6 +647,10 @@ class _ChatResponder(_Responder):
 
 
 # ----------------------------------------------------------------------------------- run_server
+# How the command line prefixes its errors (argparse's "prog: error: "), for startup failures too.
+ERROR_PREFIX = "aphrodite serve: error: "
+
+
 def run_server(engine_config: EngineConfig, server_args: Any) -> int:
     """Serve until SIGINT/SIGTERM; return the exit status (0 after a clean shutdown).
 
@@ -656,16 +666,20 @@ def run_server(engine_config: EngineConfig, server_args: Any) -> int:
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as exc:
-        print(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"{ERROR_PREFIX}cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}. "
+            "Fix: choose a free port with --port (or stop the process that holds this one)",
+            file=sys.stderr,
+        )
         return 1
     with sock:
         try:
             engine = _load_engine(engine_config)
         except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
             return 2
         except (SonarError, ValueError, OSError) as exc:
-            print(f"error: cannot load the model: {exc}", file=sys.stderr)
+            print(f"{ERROR_PREFIX}cannot load the model: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130

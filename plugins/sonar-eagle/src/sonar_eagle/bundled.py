@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sonar_core.model_files import DEFAULT_MODEL_NAME, default_model_path
-from sonar_core.models.gguf import SOURCE_RECORD, cache_root
+from sonar_core.model_files import DEFAULT_MODEL_NAME, cache_root, default_model_path
+from sonar_core.models.gguf import SOURCE_RECORD
 from sonar_core.models.weights import iter_checkpoint
 from sonar_core.spec_decode.draft_layouts import save_draft_checkpoint, vocab_maps
 

@@ -196,7 +196,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
                 DraftArchitecture(family.architecture, family.layout, family.notes) for family in FAMILIES.values()
             ),
         ),
-        aliases=MTP_LEGACY_METHOD_NAMES,
+        old_names=MTP_LEGACY_METHOD_NAMES,
     )
 
 

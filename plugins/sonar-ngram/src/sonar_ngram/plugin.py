@@ -30,7 +30,8 @@ class NgramOptions(BaseModel):
 
 @hookimpl
 def sonar_register_methods(registry: MethodRegistry) -> None:
-    """Register ``ngram`` (with vLLM's old spelling ``[ngram]`` as an alias) and ``ngram_gpu``."""
+    """Register ``ngram`` (with vLLM's old spelling ``[ngram]``, from ``"model": "[ngram]"``
+    configurations, as an old name) and ``ngram_gpu``."""
     registry.register(
         MethodSpec(
             name="ngram",
@@ -38,7 +39,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             description="CPU prompt lookup",
             options_model=NgramOptions,
         ),
-        aliases=("[ngram]",),
+        old_names=("[ngram]",),
     )
     registry.register(
         MethodSpec(
