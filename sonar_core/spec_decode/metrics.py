@@ -273,3 +273,40 @@ class SpecDecodingProm:
         self._num_accepted_tokens.inc(stats.num_accepted_tokens)
         for counter, count in zip(self._per_pos, stats.num_accepted_tokens_per_pos, strict=True):
             counter.inc(count)
+
+
+def guide_name_exposition(registry: CollectorRegistry | None = None) -> bytes:
+    """The ``aphrodite:spec_decode_*`` counters of ``registry`` once more under their names without
+    ``_total``, as untyped series, for queries written that way.
+
+    The user guide's mean-acceptance query divides by ``rate(aphrodite:spec_decode_num_drafts[5m])``.
+    Prometheus exposes a counter's samples only as ``NAME_total`` (prometheus_client, like vLLM's
+    exposition, registers ``NAME``, ``NAME_total`` and ``NAME_created`` for one counter, so a second
+    series named ``NAME`` cannot live in the same registry). This text is appended to ``/metrics``:
+    a different metric name in the same text format, same values and labels, so both spellings of
+    every query work.
+    """
+    from prometheus_client import generate_latest
+    from prometheus_client.core import UnknownMetricFamily
+
+    counters = _COUNTERS.get(REGISTRY if registry is None else registry)
+    if counters is None:
+        return b""
+
+    class Mirror:
+        def collect(self):
+            for counter in (counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens,
+                            counters.num_accepted_tokens_per_pos):
+                for metric in counter.collect():
+                    totals = [sample for sample in metric.samples if sample.name == f"{metric.name}_total"]
+                    names = list(totals[0].labels) if totals else []
+                    family = UnknownMetricFamily(
+                        metric.name, f"{metric.documentation} (the same as {metric.name}_total)", labels=names
+                    )
+                    for sample in totals:
+                        family.add_metric([sample.labels[name] for name in names], sample.value)
+                    yield family
+
+    mirror = CollectorRegistry(auto_describe=False)
+    mirror.register(Mirror())
+    return generate_latest(mirror)

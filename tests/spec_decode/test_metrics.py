@@ -6,7 +6,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sonar_core.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm, SpecDecodingStats
+from sonar_core.spec_decode.metrics import (
+    SpecDecodingLogging,
+    SpecDecodingProm,
+    SpecDecodingStats,
+    guide_name_exposition,
+)
 
 # (drafted, accepted) per request-step, num_speculative_tokens = 3. By hand: 4 drafts, 11 draft
 # tokens, 6 accepted; position 0 accepted in 3 drafts, position 1 in 2, position 2 in 1.
@@ -129,6 +134,27 @@ def test_prometheus_counters_and_documented_formulas() -> None:
     # The documentation's PromQL: accepted_total / draft_tokens_total and 1 + accepted_total / num_drafts_total.
     assert accepted / draft_tokens == pytest.approx(6 / 11)
     assert 1 + accepted / drafts == pytest.approx(2.5)
+
+
+def test_the_guides_query_without_total_finds_the_same_counts() -> None:
+    """The guide divides by ``aphrodite:spec_decode_num_drafts`` (no ``_total``): /metrics carries
+    every spec-decode counter under both names, with the same values and labels."""
+    registry = CollectorRegistry()
+    SpecDecodingProm(num_speculative_tokens=3, model_name="tiny", registry=registry).observe(_stats(STEPS))
+    text = (generate_latest(registry) + guide_name_exposition(registry)).decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        key = (("model_name", "tiny"),)
+        assert samples[(f"aphrodite:spec_decode_{name}", key)] == samples[(f"aphrodite:spec_decode_{name}_total", key)]
+    per_pos = (("model_name", "tiny"), ("position", "1"))
+    assert samples[("aphrodite:spec_decode_num_accepted_tokens_per_pos", per_pos)] == 2
+    assert 1 + samples[("aphrodite:spec_decode_num_accepted_tokens", (("model_name", "tiny"),))] / samples[
+        ("aphrodite:spec_decode_num_drafts", (("model_name", "tiny"),))
+    ] == pytest.approx(2.5)
 
 
 def test_counters_are_shared_per_registry_and_labelled_per_model() -> None:

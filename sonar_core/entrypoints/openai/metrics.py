@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sonar_core.outputs import RequestOutput
-from sonar_core.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm, SpecDecodingStats
+from sonar_core.spec_decode.metrics import (
+    SpecDecodingLogging,
+    SpecDecodingProm,
+    SpecDecodingStats,
+    guide_name_exposition,
+)
 
 logger = logging.getLogger("sonar.server")
 
@@ -109,8 +114,9 @@ class ServerMetrics:
         self.kv_cache_usage.set(state.kv_cache_usage)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every series."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every series, and the speculative-decoding counters
+        under their names without ``_total`` too (see guide_name_exposition)."""
+        return generate_latest(self.registry) + guide_name_exposition(self.registry)
 
 
 @dataclass
