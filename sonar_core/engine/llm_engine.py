@@ -13,7 +13,7 @@ from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.config import EngineConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
-from sonar_core.engine.kv_budget import plan_kv_blocks
+from sonar_core.engine.kv_budget import WorkingMemory, plan_kv_blocks
 from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
 from sonar_core.engine.request_errors import RequestError
 from sonar_core.engine.scheduler import Scheduler, SchedulerOutput
@@ -95,7 +95,13 @@ class LLMEngine:
             plan = build_speculator(speculative, context, plugin_manager)
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
-        num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len)
+        working = WorkingMemory.of(
+            config,
+            self.model.shared_modules().vocab_size,
+            plan.num_speculative_tokens if plan else 0,
+            draft_probs=bool(plan and plan.capabilities.returns_draft_probs),
+        )
+        num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len, working)
         caches = allocate_kv_cache(target_specs + proposer_specs, num_blocks, config.block_size, self.dtype,
                                    self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
