@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sonar_core.config.speculative import METHOD_SPECIFIC_FIELDS
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import MethodSpec, hookimpl
 
@@ -195,6 +196,8 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             create_proposer=create_proposer,
             description="A user-provided proposer class (speculative_config.custom_class)",
             options_model=CustomClassOptions,
+            # The user's class reads the whole configuration: any field may mean something to it.
+            core_fields=frozenset(METHOD_SPECIFIC_FIELDS),
         )
     )
 

@@ -12,7 +12,7 @@ and the tests that cover them are listed in docs/configuration.md.
 
 from sonar_core.config.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_ALIASES, EngineConfig
 from sonar_core.config.json_value import SHELL_QUOTING_ADVICE, parse_json_object
-from sonar_core.config.speculative import CORE_FIELDS, SpeculativeConfig
+from sonar_core.config.speculative import CORE_FIELDS, METHOD_SPECIFIC_FIELDS, SpeculativeConfig
 from sonar_core.config.target import TargetInfo, target_info_for
 from sonar_core.config.validation import (
     ResolvedSpeculativeConfig,
@@ -25,6 +25,7 @@ from sonar_core.config.validation_errors import config_error_from_validation
 
 __all__ = [
     "CORE_FIELDS",
+    "METHOD_SPECIFIC_FIELDS",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DTYPE_ALIASES",
     "SHELL_QUOTING_ADVICE",

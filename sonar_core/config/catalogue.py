@@ -45,6 +45,10 @@ class MethodDescription(Protocol):
     @property
     def checkpoint_limits_context(self) -> bool: ...
 
+    @property
+    def core_fields(self) -> frozenset[str]:
+        """Which of the method-specific core fields (METHOD_SPECIFIC_FIELDS) the method reads."""
+
 
 class MethodCatalogue(Protocol):
     """The installed methods and their rules."""
@@ -62,6 +66,9 @@ class MethodCatalogue(Protocol):
 
     def methods_for_draft_architecture(self, architecture: str) -> list[str]:
         """The installed methods that registered ``architecture`` as a draft architecture."""
+
+    def methods_reading(self, field: str) -> list[str]:
+        """The installed methods that declare they read the core field ``field``, sorted."""
 
     def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
         """The depth the method takes when the user sets none (from its checkpoint), or None."""

@@ -168,3 +168,13 @@ class SpeculativeConfig(BaseModel):
 
 
 CORE_FIELDS: tuple[str, ...] = tuple(SpeculativeConfig.model_fields)
+# Core fields only some methods read; each method declares the ones it reads (MethodSpec.core_fields),
+# and setting another is warned about (it has no effect). Every other core field applies to all.
+METHOD_SPECIFIC_FIELDS: tuple[str, ...] = (
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "use_heterogeneous_vocab",
+    "attention_backend",
+    "parallel_drafting",
+    "draft_tensor_parallel_size",
+)

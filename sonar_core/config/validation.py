@@ -21,7 +21,7 @@ from sonar_core.attention_backends import BACKENDS, get_backend
 from sonar_core.config.catalogue import DraftArchitectureEntry, MethodCatalogue, MethodDescription
 from sonar_core.config.engine import EngineConfig
 from sonar_core.config.method_detection import detect_method
-from sonar_core.config.speculative import CORE_FIELDS, FIELD, SpeculativeConfig
+from sonar_core.config.speculative import CORE_FIELDS, FIELD, METHOD_SPECIFIC_FIELDS, SpeculativeConfig
 from sonar_core.config.target import TargetInfo, target_info_for
 from sonar_core.config.validation_errors import config_error_from_validation, unknown_field_fix
 from sonar_core.errors import ConfigError
@@ -95,6 +95,7 @@ def validate_speculative_config(
     requested, spec = _resolve_method(config, target, methods, warnings)
     config = config.model_copy(update={"method": spec.name})
     options = _validate_options(config, spec)
+    warnings.extend(_fields_without_effect(config, spec, methods))
     formats = [entry for entry in spec.draft_architectures if entry.serves(target.architectures if target else None)]
     if config.model is not None and formats:
         draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
@@ -189,10 +190,27 @@ def _resolve_method(
     return requested, spec
 
 
+def _fields_without_effect(config: SpeculativeConfig, spec: MethodDescription, methods: MethodCatalogue) -> list[str]:
+    """One warning per method-specific core field the user set that ``spec`` does not read."""
+    warnings = []
+    for name in METHOD_SPECIFIC_FIELDS:
+        unset = name not in config.model_fields_set or getattr(config, name) == SpeculativeConfig.model_fields[name].default
+        if unset or name in spec.core_fields:
+            continue
+        readers = methods.methods_reading(name)
+        where = f"it applies to {', '.join(readers)}" if readers else "no installed method reads it"
+        warnings.append(
+            f"{FIELD}.{name} has no effect with method {spec.name!r} ({where}); remove it from the configuration."
+        )
+    return warnings
+
+
 def _validate_options(config: SpeculativeConfig, spec: MethodDescription) -> BaseModel | None:
     extras = config.method_options
     option_names = tuple(spec.options_model.model_fields) if spec.options_model is not None else ()
-    accepted = (*CORE_FIELDS, *option_names)
+    # The keys suggested for a typo: the fields every method reads, those this one declares, its options.
+    core = [name for name in CORE_FIELDS if name not in METHOD_SPECIFIC_FIELDS or name in spec.core_fields]
+    accepted = (*core, *option_names)
     unknown = [key for key in extras if key not in option_names]
     if unknown:
         first, *rest = (_unknown_option(key, spec.name, accepted) for key in unknown)

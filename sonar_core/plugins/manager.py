@@ -136,6 +136,9 @@ class SonarPluginManager(pluggy.PluginManager):
         registry = self.method_registry
         return registry.is_old_name(requested) or registry.get(requested) is None
 
+    def methods_reading(self, field: str) -> list[str]:
+        return [spec.name for spec in self.method_registry.methods() if field in spec.core_fields]
+
     def methods_for_draft_architecture(self, architecture: str) -> list[str]:
         return [
             spec.name

@@ -61,6 +61,10 @@ class MethodSpec:
     description: str = ""
     options_model: type[BaseModel] | None = None
     draft_architectures: tuple[DraftArchitecture, ...] = ()
+    # The method-specific core fields it reads (sonar_core.config.METHOD_SPECIFIC_FIELDS:
+    # prompt_lookup_min/max, use_heterogeneous_vocab, attention_backend, parallel_drafting,
+    # draft_tensor_parallel_size). Setting one it does not list is warned about: no effect.
+    core_fields: frozenset[str] = frozenset()
     # Target architectures whose own checkpoint carries this method's weights (MTP layers shipped
     # with the target): the method runs on them without a ``model``. Listed in the supported-model
     # table; the plugin's own check decides what a target needs.

@@ -393,3 +393,23 @@ def test_a_draft_of_an_unregistered_architecture_is_refused_before_loading(manag
     assert error.field == "speculative_config.model"
     assert "[MistralForCausalLM]" in error.message and "'mistral'" in error.message and "HeadModel" in error.message
     assert "architectures and model_type" in error.fix and "aphrodite plugins --models" in error.fix
+
+
+def test_a_field_the_method_does_not_read_is_warned_about_once_in_core(manager_with):
+    manager = manager_with(FakeMethodPlugin("lookup"))
+    resolved = validate(
+        {"method": "lookup", "num_speculative_tokens": 2, "attention_backend": "FLASH_ATTN", "use_heterogeneous_vocab": True},
+        manager,
+    )
+    assert len(resolved.warnings) == 2
+    assert resolved.warnings[0].startswith("speculative_config.use_heterogeneous_vocab has no effect with method 'lookup'")
+    assert "attention_backend has no effect" in resolved.warnings[1] and "no installed method reads it" in resolved.warnings[1]
+    # A value equal to the default changes nothing and is not warned about.
+    assert not validate({"method": "lookup", "num_speculative_tokens": 2, "use_heterogeneous_vocab": False}, manager).warnings
+
+
+def test_a_typo_suggests_only_fields_the_method_reads(manager_with):
+    manager = manager_with(FakeMethodPlugin("lookup"))
+    with pytest.raises(ConfigError) as info:
+        validate({"method": "lookup", "num_speculative_tokens": 2, "prompt_lookup_mx": 3}, manager)
+    assert "prompt_lookup_max" not in info.value.fix

@@ -103,7 +103,7 @@ def test_a_checkpoint_is_refused(plugin_manager) -> None:
 def test_fields_without_effect_give_warnings(plugin_manager) -> None:
     resolved = validate(plugin_manager, prompt_lookup_min=2, draft_sample_method="probabilistic")
     assert len(resolved.warnings) == 2
-    assert "prompt_lookup_min has no effect" in resolved.warnings[0]
+    assert "prompt_lookup_min has no effect with method 'suffix'" in resolved.warnings[0]
     assert "probabilistic" in resolved.warnings[1]
 
 

@@ -84,6 +84,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "parallel_drafting"}),
             create_proposer=create_proposer,
             description="DFlash: a block of drafts in one non-causal pass over the target's hidden states",
             options_model=DFlashOptions,

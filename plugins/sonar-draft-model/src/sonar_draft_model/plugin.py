@@ -44,6 +44,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "use_heterogeneous_vocab"}),
             create_proposer=create_proposer,
             description="A smaller causal language model drafts autoregressively",
             options_model=DraftModelOptions,

@@ -102,6 +102,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "parallel_drafting"}),
             create_proposer=create_proposer,
             description="DSpark: a parallel block sampled left to right through a Markov head",
             options_model=DSparkOptions,

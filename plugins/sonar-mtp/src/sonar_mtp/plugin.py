@@ -182,6 +182,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size"}),
             create_proposer=create_proposer,
             description="Multi-token prediction layers shipped with the target checkpoint",
             options_model=MtpOptions,

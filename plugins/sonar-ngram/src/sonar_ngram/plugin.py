@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from sonar_core.plugins import MethodRegistry
 
 METHODS = ("ngram", "ngram_gpu")
+LOOKUP_FIELDS = frozenset({"prompt_lookup_min", "prompt_lookup_max"})
 # A ``model`` that only repeats the method name is the legacy vLLM spelling of the method
 # (``"[ngram]"``); anything else names a checkpoint the method would ignore.
 _METHOD_NAMES_AS_MODEL = frozenset({"ngram", "[ngram]", "ngram_gpu"})
@@ -35,6 +36,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name="ngram",
+            core_fields=LOOKUP_FIELDS,
             create_proposer=create_ngram_proposer,
             description="CPU prompt lookup",
             options_model=NgramOptions,
@@ -44,6 +46,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name="ngram_gpu",
+            core_fields=LOOKUP_FIELDS,
             create_proposer=create_ngram_gpu_proposer,
             description="GPU prompt lookup",
             options_model=NgramOptions,

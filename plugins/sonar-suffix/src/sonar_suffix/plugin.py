@@ -19,8 +19,6 @@ if TYPE_CHECKING:
     from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
 METHOD = "suffix"
-# Core fields that only the n-gram methods read; with suffix they would be silently ignored.
-_NGRAM_ONLY_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
 
 
 def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) -> Proposer:
@@ -52,12 +50,6 @@ def sonar_validate_speculative_config(
     if refused is not None:
         raise refused
     check_arctic_inference()
-    warnings: list[str] = []
-    for field in _NGRAM_ONLY_FIELDS:
-        if getattr(config, field) is not None:
-            warnings.append(
-                f"{field} has no effect with method 'suffix': it matches contexts of every length up to "
-                f"suffix_decoding_max_tree_depth; remove {field}"
-            )
+    # prompt_lookup_* and other fields suffix does not read are warned about by core.
     one_hot = one_hot_drafts_warning(config)
-    return [*warnings, one_hot] if one_hot else warnings
+    return [one_hot] if one_hot else []
