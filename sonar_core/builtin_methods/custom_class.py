@@ -203,11 +203,12 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
 
 
 @hookimpl
-def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetInfo | None) -> list[str] | None:
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None, options: CustomClassOptions | None
+) -> list[str] | None:
     """Import the class now, so that a wrong path fails at startup and not at the first request."""
     if config.method != METHOD:
         return None
-    options = CustomClassOptions.model_validate(config.method_options)
     cls = load_custom_class(options.custom_class)
     _check_constructor(cls, options.options, options.custom_class)
     return None

@@ -73,5 +73,8 @@ class MethodCatalogue(Protocol):
     def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
         """The depth the method takes when the user sets none (from its checkpoint), or None."""
 
-    def method_rules(self, config: SpeculativeConfig, target: TargetInfo | None) -> list[str]:
-        """Run the method's own rules; raise ConfigError (fields named bare) or return warnings."""
+    def method_rules(
+        self, config: SpeculativeConfig, target: TargetInfo | None, options: BaseModel | None = None
+    ) -> list[str]:
+        """Run the method's own rules; raise ConfigError (fields named bare) or return warnings.
+        ``options`` is the method's validated options model (defaults filled), or None."""

@@ -107,7 +107,7 @@ def validate_speculative_config(
     config, depth = _apply_core_rules(config, target, draft, engine_max_model_len, warnings)
     if config.max_model_len is None and config.model is not None and spec.checkpoint_limits_context:
         config = _draft_length_from_checkpoint(config, draft, engine_max_model_len)
-    warnings.extend(_method_rules(config, target, methods))
+    warnings.extend(_method_rules(config, target, methods, options))
     if log_warnings:
         for warning in warnings:
             logger.warning("%s", warning)
@@ -330,8 +330,10 @@ def _check_draft_architecture(
     )
 
 
-def _method_rules(config: SpeculativeConfig, target: TargetInfo | None, methods: MethodCatalogue) -> list[str]:
+def _method_rules(
+    config: SpeculativeConfig, target: TargetInfo | None, methods: MethodCatalogue, options: BaseModel | None
+) -> list[str]:
     try:
-        return methods.method_rules(config, target)
+        return methods.method_rules(config, target, options)
     except ConfigError as exc:
         raise exc.with_field_prefix(FIELD) from None

@@ -72,6 +72,12 @@ def _one_error(details: Mapping[str, Any], prefix: str, known: list[str]) -> Con
     if kind == "extra_forbidden":
         name = location[-1] if location else field
         return ConfigError(field, f"{name!r} is not a known field", unknown_field_fix(name, known, "it"))
+    if kind in ("value_error", "assertion_error"):
+        # A validator's own rule (a plugin's field_validator): its text is the message, said once.
+        text = str(original) if original is not None else str(details.get("msg", "invalid value"))
+        got = _short_repr(details.get("input"))
+        message = text if got in text else f"{text} (got {got})"
+        return ConfigError(field, message, f"give {location[-1] if location else field} a value that rule accepts")
     message = _lower_first(str(details.get("msg", "invalid value")))
     if kind != "missing":
         message += f", got {_short_repr(details.get('input'))}"

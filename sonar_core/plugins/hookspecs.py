@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from sonar_core.config import SpeculativeConfig, TargetInfo
     from sonar_core.plugins.registry import MethodRegistry
     from sonar_core.spec_decode.proposer import Proposer, ProposerContext
@@ -44,9 +46,14 @@ def sonar_resolve_method_alias(method: str, target: TargetInfo | None) -> str | 
 
 @hookspec
 def sonar_validate_speculative_config(
-    config: SpeculativeConfig, target: TargetInfo | None
+    config: SpeculativeConfig, target: TargetInfo | None, options: BaseModel | None
 ) -> list[str] | None:
     """Check the rules of the plugin's own methods; ignore configurations of other methods.
+
+    ``options`` is the method's options model as validated (defaults filled in: the same object a
+    proposer gets as ``ProposerContext.method_options``), or None for a method without one;
+    ``config.method_options`` is the raw dict of those keys as the user wrote them. A hook
+    implementation may leave out parameters it does not use.
 
     Raise :class:`sonar_core.errors.ConfigError` (naming the field and the fix) for an invalid
     configuration; return warnings (one string each) for a valid but doubtful one. Results of all

@@ -30,6 +30,8 @@ from sonar_core.plugins.hookspecs import PROJECT_NAME, hookimpl
 from sonar_core.plugins.registry import MethodRegistry, MethodSpec
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from sonar_core.config import ResolvedSpeculativeConfig, SpeculativeConfig, TargetInfo
     from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
@@ -149,9 +151,11 @@ class SonarPluginManager(pluggy.PluginManager):
     def default_num_speculative_tokens(self, config: SpeculativeConfig, target: TargetInfo | None) -> int | None:
         return self.hook.sonar_default_num_speculative_tokens(config=config, target=target)
 
-    def method_rules(self, config: SpeculativeConfig, target: TargetInfo | None) -> list[str]:
+    def method_rules(
+        self, config: SpeculativeConfig, target: TargetInfo | None, options: BaseModel | None = None
+    ) -> list[str]:
         warnings: list[str] = []
-        for result in self.hook.sonar_validate_speculative_config(config=config, target=target):
+        for result in self.hook.sonar_validate_speculative_config(config=config, target=target, options=options):
             if isinstance(result, str):
                 warnings.append(result)
             elif result:

@@ -413,3 +413,48 @@ def test_a_typo_suggests_only_fields_the_method_reads(manager_with):
     with pytest.raises(ConfigError) as info:
         validate({"method": "lookup", "num_speculative_tokens": 2, "prompt_lookup_mx": 3}, manager)
     assert "prompt_lookup_max" not in info.value.fix
+
+
+def test_a_plugins_own_value_rule_is_reported_in_its_words(manager_with):
+    """A field_validator's message is the error, said once, not Sonar's docs for a third-party option."""
+    from pydantic import BaseModel, ConfigDict, field_validator
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        mode: str = "a"
+
+        @field_validator("mode")
+        @classmethod
+        def _known(cls, value: str) -> str:
+            if value not in ("a", "b"):
+                raise ValueError(f"mode must be 'a' or 'b', got {value!r}")
+            return value
+
+    manager = manager_with(FakeMethodPlugin("lookup", options_model=Options))
+    with pytest.raises(ConfigError) as info:
+        validate({"method": "lookup", "num_speculative_tokens": 2, "mode": "c"}, manager)
+    assert info.value.field == "speculative_config.mode"
+    assert info.value.message == "mode must be 'a' or 'b', got 'c'"
+    assert "docs/configuration.md" not in info.value.fix and "value error" not in str(info.value).lower()
+
+
+def test_the_validation_hook_receives_the_validated_options_with_defaults(manager_with):
+    from pydantic import BaseModel, ConfigDict
+
+    from sonar_core.plugins import hookimpl
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        window: int = 8
+
+    seen = []
+
+    class Checker:
+        @hookimpl
+        def sonar_validate_speculative_config(self, config, target, options):
+            seen.append((dict(config.method_options), options))
+
+    manager = manager_with(FakeMethodPlugin("lookup", options_model=Options), Checker())
+    validate({"method": "lookup", "num_speculative_tokens": 2}, manager)
+    raw, options = seen[0]
+    assert raw == {} and isinstance(options, Options) and options.window == 8

@@ -130,7 +130,9 @@ def sonar_default_num_speculative_tokens(config: SpeculativeConfig, target: Targ
 
 
 @hookimpl
-def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetInfo | None) -> list[str] | None:
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None, options: DSparkOptions | None
+) -> list[str] | None:
     """A drafter in a published layout (or embedded) that fits the target; num_speculative_tokens at
     least the block size; no explicit parallel_drafting; a non-causal attention backend."""
     if config.method != METHOD:
@@ -140,7 +142,6 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
             raise error
     if target is None:
         return None
-    options = DSparkOptions.model_validate(config.method_options)
     checkpoint, layout, _ = _checked(config.model, target, target.checkpoint_folder, options.confidence_threshold)
     if config.num_speculative_tokens < layout.block_size:
         raise ConfigError(

@@ -87,7 +87,9 @@ def sonar_default_num_speculative_tokens(config: SpeculativeConfig, target: Targ
 
 
 @hookimpl
-def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetInfo | None) -> list[str] | None:
+def sonar_validate_speculative_config(
+    config: SpeculativeConfig, target: TargetInfo | None, options: ExtractOptions | None
+) -> list[str] | None:
     """The folder must be writable (or creatable) and the layers inside the target; the method loads
     no checkpoint and drafts nothing."""
     if config.method != METHOD:
@@ -95,7 +97,6 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
     refused = checkpoint_refused(config, "no checkpoint (it exports the target's own hidden states)")
     if refused is not None:
         raise refused
-    options = ExtractOptions.model_validate(config.method_options)
     _check_writable(Path(options.output_dir).expanduser())
     if target is not None:
         _layers(options, target.num_layers or 0)
