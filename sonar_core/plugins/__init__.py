@@ -10,7 +10,7 @@ Importing this package has no side effects; :func:`get_plugin_manager` builds a 
 See docs/plugins.md.
 """
 
-from sonar_core.plugins.hookspecs import hookimpl, hookspec
+from sonar_core.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl, hookspec
 from sonar_core.plugins.manager import (
     ALLOW_LIST_ENV,
     ENTRY_POINT_GROUP,
@@ -38,6 +38,7 @@ from sonar_core.plugins.rules import (
 )
 
 __all__ = [
+    "PLUGIN_API_VERSION",
     "ALLOW_LIST_ENV",
     "ENTRY_POINT_GROUP",
     "MTP_LEGACY_METHOD_NAMES",

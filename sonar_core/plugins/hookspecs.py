@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
 PROJECT_NAME = "sonar"
+# The version of the plugin interface: these hook specifications, MethodSpec, the registry and the
+# Proposer contract. A minor step (1.1) only adds (a hook, an optional parameter or field with a
+# default, a capability) and leaves every plugin written for 1.x working; a major step (2.0) may
+# change or remove something and is announced in docs/plugins.md with what to change. Third-party
+# packages compare against it, e.g. ``int(PLUGIN_API_VERSION.split(".")[0]) == 1``.
+PLUGIN_API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

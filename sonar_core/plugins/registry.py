@@ -279,6 +279,21 @@ class MethodRegistry:
             provider = "" if match in self else f" (from {SONAR_METHOD_PACKAGES[match]}: {install_command(SONAR_METHOD_PACKAGES[match])})"
             hint = f"did you mean {match!r}{provider}? Otherwise, "
         failed = "".join(f"; {who} failed to load ({error})" for who, error in self.failed.values())
+        # Plugins the allow-list left out may provide it: their methods are unknown until loaded.
+        others = sorted(
+            f"{entry_point!r} ({distribution})"
+            for distribution, entry_point in self.not_loaded.items()
+            if distribution not in SONAR_METHOD_PACKAGES.values()
+        )
+        if others:
+            return ConfigError(
+                field,
+                f"{name!r} is not a method of the loaded plugins (loaded methods: {installed}{failed}); the "
+                f"SONAR_PLUGINS allow-list leaves out installed plugins that may provide it: entry points "
+                f"{', '.join(others)}",
+                f"{hint}add the entry point of the plugin that provides {name!r} to SONAR_PLUGINS (it lists entry-point "
+                "names, which need not equal method names), or unset SONAR_PLUGINS to load every plugin",
+            )
         return ConfigError(
             field,
             f"{name!r} is not a speculation method. Installed methods: {installed}{failed}",

@@ -53,6 +53,18 @@ def test_method_left_out_by_the_allow_list_says_so(test_plugin_installed):
     assert "SONAR_PLUGINS allow-list leaves out its entry point 'custom_class'" in info.value.message
 
 
+def test_a_third_party_method_left_out_by_the_allow_list_says_so(test_plugin_installed):
+    """The test plugin's entry point is ``sonar_test``, its method ``echo_test``: the error names the
+    left-out entry point and says the allow-list takes entry-point names."""
+    manager = get_plugin_manager(environ={"SONAR_PLUGINS": "ngram"})
+    with pytest.raises(ConfigError) as info:
+        validate_speculative_config({"method": "echo_test", "num_speculative_tokens": 1}, None, manager)
+    assert "SONAR_PLUGINS allow-list leaves out installed plugins that may provide it" in info.value.message
+    assert "'sonar_test' (sonar-test-plugin)" in info.value.message
+    assert "lists entry-point names, which need not equal method names" in info.value.fix
+    assert "not a speculation method" not in info.value.message
+
+
 def test_allow_list_naming_an_unknown_plugin_warns(test_plugin_installed, caplog):
     with caplog.at_level(logging.WARNING, logger="sonar.plugins"):
         get_plugin_manager(environ={"SONAR_PLUGINS": "sonar_test,sonar_tset"})
