@@ -4,7 +4,8 @@
 - ``aphrodite bench serve [MODEL]``: over HTTP, against servers it starts per configuration or
   against ``--url``;
 - ``aphrodite bench suite NAME|FILE``: a saved list of runs (``performance`` is the one behind
-  docs/performance.md), written to one Markdown, JSON and PNG.
+  docs/performance.md), written to one Markdown, JSON and PNG;
+- ``aphrodite bench startup [MODEL]``: seconds to "engine ready" and to a configuration error.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--only", type=int, nargs="+", default=None, metavar="N",
         help="Run only these entries of the suite (numbered from 1), e.g. to measure a noisy table again.",
     )
+    startup = modes.add_parser(
+        "startup",
+        help="Time engine startup and a configuration error, in fresh processes.",
+        description="Time `LLM(MODEL)` from process start to engine ready, and `aphrodite serve --check-config` "
+        "with a misspelt method to its error, each in fresh processes (the model's converted folder cached).",
+    )
+    add_model_arg(startup)
+    startup.add_argument("--repeats", type=int, default=3, help="Fresh processes per figure (default: 3).")
     return parser
 
 
@@ -178,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
         args.command_line = "aphrodite " + shlex.join(sys.argv[1:])
     if args.bench_mode == "suite":
         return run_suite(args.suite, args.out, show_progress=not args.no_progress, only=args.only)
+    if args.bench_mode == "startup":
+        from sonar_core.bench import startup
+
+        print(startup.render(startup.measure(args.model, args.repeats), args.model))
+        return 0
     bench = session.bench_offline if args.bench_mode == "offline" else session.bench_serve
     tables = bench(args, show_progress=not args.no_progress)
     session.emit(tables, args)
