@@ -133,19 +133,15 @@ def peer_rows(texts: list[str]) -> list[RowSpec]:
 
 def with_heads(rows: list[RowSpec], head_for: Callable[[str], Path] | None) -> list[RowSpec]:
     """Give head rows (EAGLE, Medusa, MLP speculator, DFlash, DSpark) that name no head the folder
-    ``head_for(method)`` returns; without it such a row is an error that says how to get one. With
-    it, MTP rows run on the target copy ``head_for("mtp")`` (without it, on the target itself)."""
+    ``head_for(method)`` returns; without it such a row keeps no ``model`` and runs on a head the
+    target ships (the embedded target's EAGLE-3 head), or fails its configuration check with the
+    plugin's own fix. With it, MTP rows run on the target copy ``head_for("mtp")`` (without it, on
+    the target itself)."""
     filled = []
     for row in rows:
         if row.engine == SONAR and row.method in TARGET_HEAD_METHODS and head_for is not None:
             row = replace(row, target_dir=str(head_for(row.method)))
-        if row.engine == SONAR and row.method in HEAD_METHODS and not row.options.get("model"):
-            if head_for is None:
-                raise ConfigError(
-                    "model",
-                    f"the sonar {row.method} row names no head",
-                    'add "model": PATH to its options, or pass --random-heads to measure a random head\'s cost',
-                )
+        if row.engine == SONAR and row.method in HEAD_METHODS and not row.options.get("model") and head_for:
             row = RowSpec(row.engine, row.method, {**row.options, "model": str(head_for(row.method))})
         filled.append(row)
     return filled

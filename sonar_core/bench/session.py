@@ -24,7 +24,7 @@ from sonar_core.bench.peers.peer_protocol import BenchRequest
 from sonar_core.bench.progress import Progress
 from sonar_core.bench.report import TableMeta, render, to_json, write_json
 from sonar_core.bench.results import RowResult
-from sonar_core.bench.rows import SONAR, RowSpec, peer_rows, sonar_rows, with_draft, with_heads
+from sonar_core.bench.rows import HEAD_METHODS, SONAR, RowSpec, peer_rows, sonar_rows, with_draft, with_heads
 from sonar_core.bench.target import BenchTarget, load_target
 from sonar_core.bench.workloads import Workload, load_workload, tokenize_workload, warmup_prompt
 from sonar_core.config import EngineConfig, validate_config
@@ -137,7 +137,13 @@ def _check_sonar_row(row: RowSpec, base: EngineConfig) -> RowSpec:
         return RowSpec(row.engine, row.method, row.options, unavailable=f"method not installed ({install_command(package)})")
     model = {"model": row.target_dir} if row.target_dir else {}
     config = EngineConfig.build(**{**base.model_dump(exclude_unset=True), **model, "speculative_config": row.options})
-    validate_config(config, manager, log_warnings=False)
+    try:
+        validate_config(config, manager, log_warnings=False)
+    except ConfigError as error:
+        if row.method in HEAD_METHODS and error.field.endswith("model") and not row.options.get("model"):
+            raise ConfigError(error.field, error.message, f"{error.fix}; in the bench, --random-heads measures a "
+                              "random head's cost") from None
+        raise
     return row
 
 

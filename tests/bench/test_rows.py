@@ -83,8 +83,8 @@ def test_head_rows_get_a_head_or_say_how_to(tmp_path: Path) -> None:
     ]
     filled = with_heads(rows, lambda method: tmp_path / f"random-{method}")
     assert [row.label for row in filled] == ["sonar eagle3 k=3 (random-eagle3)", "sonar eagle (head)", "sonar ngram"]
-    with pytest.raises(ConfigError, match="--random-heads"):
-        with_heads(rows[:1], None)
+    # Without --random-heads the row keeps no model: a head the target ships, or the plugin's error.
+    assert with_heads(rows[:1], None) == rows[:1]
 
 
 def test_mtp_rows_run_on_a_target_copy_with_random_layers_only_when_asked(tmp_path: Path) -> None:
@@ -93,3 +93,13 @@ def test_mtp_rows_run_on_a_target_copy_with_random_layers_only_when_asked(tmp_pa
     assert filled[0].target_dir == str(tmp_path / "random-mtp")
     assert filled[0].label == "sonar mtp k=2 (random-mtp)"
     assert with_heads(rows, None)[0].target_dir is None  # a target with its own MTP layers
+
+
+def test_a_head_row_without_a_head_for_a_target_that_ships_none_says_how_to_get_one(tiny_model: Path) -> None:
+    from sonar_core.bench.session import _check_sonar_row
+    from sonar_core.config import EngineConfig
+
+    row = RowSpec("sonar", "eagle3", {"method": "eagle3", "num_speculative_tokens": 3})
+    with pytest.raises(ConfigError) as info:
+        _check_sonar_row(row, EngineConfig(model=str(tiny_model), device="cpu"))
+    assert "aphrodite train-draft" in info.value.fix and "--random-heads" in info.value.fix
