@@ -115,3 +115,56 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the Hugging Face checkpoint; strict (see ``load_named_weights``)."""
+
+
+class LayerStackLM(CausalLM):
+    """A causal LM made of ``model.embed_tokens``, ``model.layers`` (each called as ``layer(hidden,
+    cos, sin, kv_cache, metadata)`` with one KV cache per layer), ``model.norm``, ``lm_head`` and a
+    ``rotary`` table: the embedding, forward pass, sharing and tying every such family has alike
+    (Llama/Qwen, DeepSeek-V3). Subclasses build those modules and set ``config.hidden_size``,
+    ``num_layers`` and ``tie_word_embeddings``, and give :meth:`kv_cache_specs` and the loading."""
+
+    model: nn.Module
+    rotary: Any
+    config: Any
+    num_layers: int
+    tie_word_embeddings: bool
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def shared_modules(self) -> TargetModules:
+        return TargetModules(
+            embed_tokens=self.model.embed_tokens,
+            final_norm=self.model.norm,
+            lm_head=self.lm_head,
+            hidden_size=self.config.hidden_size,
+            vocab_size=self.hf_config.vocab_size,
+            num_layers=self.num_layers,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        capture: HiddenStateCapture | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if capture is not None:
+            capture.record(0, hidden)
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
+            if capture is not None:
+                capture.record(index + 1, hidden)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

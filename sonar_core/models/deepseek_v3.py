@@ -25,8 +25,7 @@ from sonar_core.layers.linear import Linear, drop_prepacked, prepack_linears
 from sonar_core.layers.mla import MLAConfig, MLARotary, MultiHeadLatentAttention, mla_fused_projections
 from sonar_core.layers.moe import MoE, MoEConfig, gated_mlp, mlp_fused_projections, moe_fused_projections
 from sonar_core.layers.norms import RMSNorm
-from sonar_core.models.base import CausalLM, TargetModules
-from sonar_core.models.hidden_capture import HiddenStateCapture
+from sonar_core.models.base import LayerStackLM
 from sonar_core.models.registry import register_architecture
 from sonar_core.models.weights import load_named_weights
 
@@ -115,7 +114,7 @@ class DeepseekV3Stack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(CausalLM):
+class DeepseekV3ForCausalLM(LayerStackLM):
     """DeepSeek-V3 over the paged cache. The checkpoint's multi-token-prediction layers
     (``model.layers.{num_hidden_layers + k}.*``, ``k < num_nextn_predict_layers``) are not part of
     this model: a proposer claims them, and unclaimed they are skipped, as transformers skips them."""
@@ -131,45 +130,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = Linear(self.config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary = MLARotary(self.config.attention)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def shared_modules(self) -> TargetModules:
-        return TargetModules(
-            embed_tokens=self.model.embed_tokens,
-            final_norm=self.model.norm,
-            lm_head=self.lm_head,
-            hidden_size=self.config.hidden_size,
-            vocab_size=self.hf_config.vocab_size,
-            num_layers=self.num_layers,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-        capture: HiddenStateCapture | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if capture is not None:
-            capture.record(0, hidden)
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
-            if capture is not None:
-                capture.record(index + 1, hidden)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def kv_cache_specs(self) -> list[KVLayerSpec]:
         return [layer.kv_spec() for layer in self.model.layers]

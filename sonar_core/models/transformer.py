@@ -15,14 +15,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from sonar_core.kv import KVCache, KVLayerSpec
-from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.kv import KVLayerSpec
 from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, fused_projections
 from sonar_core.layers.linear import Linear, drop_prepacked, prepack_linears
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding
-from sonar_core.models.base import CausalLM, TargetModules
-from sonar_core.models.hidden_capture import HiddenStateCapture
+from sonar_core.models.base import LayerStackLM
 from sonar_core.models.weights import load_named_weights
 
 
@@ -46,7 +44,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(layer_config.hidden_size, layer_config.rms_norm_eps)
 
 
-class DecoderOnlyLM(CausalLM):
+class DecoderOnlyLM(LayerStackLM):
     """A pre-norm decoder-only language model; subclasses implement :meth:`layer_config`."""
 
     # Whether the family's sliding-window layers (``layer_types`` with ``sliding_window``, as Qwen2
@@ -71,45 +69,6 @@ class DecoderOnlyLM(CausalLM):
         self.lm_head = Linear(self.config.hidden_size, hf_config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(RopeConfig.from_hf_config(hf_config, self.config.head_dim))
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def shared_modules(self) -> TargetModules:
-        return TargetModules(
-            embed_tokens=self.model.embed_tokens,
-            final_norm=self.model.norm,
-            lm_head=self.lm_head,
-            hidden_size=self.config.hidden_size,
-            vocab_size=self.hf_config.vocab_size,
-            num_layers=self.num_layers,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-        capture: HiddenStateCapture | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if capture is not None:
-            capture.record(0, hidden)
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
-            if capture is not None:
-                capture.record(index + 1, hidden)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def kv_cache_specs(self) -> list[KVLayerSpec]:
         spec = KVLayerSpec(num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim)
