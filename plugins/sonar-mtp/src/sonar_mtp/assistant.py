@@ -35,12 +35,13 @@ from sonar_core.spec_decode.draft_attention import DraftChain
 from sonar_core.spec_decode.draft_checkpoint import FIELD
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import DraftProposal, ProposeBatch, Proposer, ProposerCapabilities
+from sonar_mtp.families import ASSISTANT_ARCHITECTURE
 
 if TYPE_CHECKING:
     from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
     from sonar_core.spec_decode.head_loading import HeadSpec
 
-ARCHITECTURE = "Gemma4AssistantForCausalLM"
+ARCHITECTURE = ASSISTANT_ARCHITECTURE
 
 
 def _assistant_layer_config(text_config: Any, index: int) -> Gemma4LayerConfig:

@@ -17,15 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
+# This module is imported when the plugin registers (and with every configuration check): it
+# describes the layouts without importing torch; the builders import the layers they build.
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-from sonar_core.kv import KVLayerSpec
-from sonar_core.layers import DecoderLayer, RopeConfig, RotaryEmbedding
-from sonar_core.layers.decoder import DecoderLayerConfig, fused_projections
-from sonar_core.models.weights import FusedMap
+    from sonar_core.kv import KVLayerSpec
+    from sonar_core.layers.decoder import DecoderLayerConfig
+    from sonar_core.models.weights import FusedMap
+
+# The Gemma 4 assistant checkpoint's architecture (sonar_mtp.assistant runs it).
+ASSISTANT_ARCHITECTURE = "Gemma4AssistantForCausalLM"
 
 
 class Rotary(Protocol):
@@ -90,12 +95,28 @@ def _qwen2_layer(hf_config: Any) -> DecoderLayerConfig:
 
 
 def _qwen2_rotary(hf_config: Any) -> Rotary:
+    from sonar_core.layers import RopeConfig, RotaryEmbedding
+
     return RotaryEmbedding(RopeConfig.from_hf_config(hf_config, _qwen2_layer(hf_config).head_dim))
 
 
 def _qwen2_kv(hf_config: Any) -> KVLayerSpec:
+    from sonar_core.kv import KVLayerSpec
+
     layer = _qwen2_layer(hf_config)
     return KVLayerSpec(num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim)
+
+
+def _qwen2_block(hf_config: Any, index: int) -> nn.Module:
+    from sonar_core.layers import DecoderLayer
+
+    return DecoderLayer(_qwen2_layer(hf_config))
+
+
+def _qwen2_fused(hf_config: Any) -> FusedMap:
+    from sonar_core.layers.decoder import fused_projections
+
+    return fused_projections(_qwen2_layer(hf_config))
 
 
 MIMO = MtpFamily(
@@ -113,10 +134,10 @@ MIMO = MtpFamily(
     unused=frozenset(),
     hidden_first=True,
     carry_normed=True,
-    build_block=lambda hf_config, index: DecoderLayer(_qwen2_layer(hf_config)),
+    build_block=_qwen2_block,
     build_rotary=_qwen2_rotary,
     kv_spec=_qwen2_kv,
-    fused=lambda hf_config: fused_projections(_qwen2_layer(hf_config)),
+    fused=_qwen2_fused,
 )
 
 def _deepseek(hf_config: Any):

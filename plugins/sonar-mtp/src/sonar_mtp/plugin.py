@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import MTP_LEGACY_METHOD_NAMES, DraftArchitecture, MethodSpec, hookimpl
-from sonar_mtp.assistant import ARCHITECTURE as ASSISTANT_ARCHITECTURE
-from sonar_mtp.families import FAMILIES, MtpFamily, family_of
+from sonar_mtp.families import ASSISTANT_ARCHITECTURE, FAMILIES, MtpFamily, family_of
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo

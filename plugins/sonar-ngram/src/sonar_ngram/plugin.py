@@ -9,11 +9,11 @@ from pydantic import BaseModel, ConfigDict
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import MethodSpec, checkpoint_refused, hookimpl, one_hot_drafts_warning
 from sonar_core.spec_decode.prompt_lookup import lookup_bound_errors
-from sonar_ngram.proposer import create_ngram_gpu_proposer, create_ngram_proposer
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo
     from sonar_core.plugins import MethodRegistry
+    from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
 METHODS = ("ngram", "ngram_gpu")
 LOOKUP_FIELDS = frozenset({"prompt_lookup_min", "prompt_lookup_max"})
@@ -27,6 +27,19 @@ class NgramOptions(BaseModel):
     ``num_speculative_tokens``); any other key is a mistake and is rejected."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def create_ngram_proposer(context: ProposerContext, weights: dict | None) -> Proposer:
+    # The proposers (torch, numpy) are imported when a method is used, not when it registers.
+    from sonar_ngram.proposer import create_ngram_proposer as create
+
+    return create(context, weights)
+
+
+def create_ngram_gpu_proposer(context: ProposerContext, weights: dict | None) -> Proposer:
+    from sonar_ngram.proposer import create_ngram_gpu_proposer as create
+
+    return create(context, weights)
 
 
 @hookimpl
