@@ -1,26 +1,31 @@
 """Target model implementations (Llama, Qwen2, Qwen3, DeepSeek-V3, Gemma 4), their registry and checkpoint
-loading."""
+loading.
 
-from sonar_core.models.base import CausalLM
-from sonar_core.models.loader import (
-    LoadedModel,
-    load_model,
-    load_tokenizer,
-)
-from sonar_core.models.registry import (
-    UnsupportedArchitectureError,
-    get_model_class,
-    register_architecture,
-    supported_architectures,
-)
+The names below are imported on first access (PEP 562): the registry's architecture names are
+needed by configuration checks that must not wait for torch, which the model code imports.
+"""
 
-__all__ = [
-    "CausalLM",
-    "LoadedModel",
-    "UnsupportedArchitectureError",
-    "get_model_class",
-    "load_model",
-    "load_tokenizer",
-    "register_architecture",
-    "supported_architectures",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CausalLM": "sonar_core.models.base",
+    "LoadedModel": "sonar_core.models.loader",
+    "load_model": "sonar_core.models.loader",
+    "load_tokenizer": "sonar_core.models.loader",
+    "UnsupportedArchitectureError": "sonar_core.models.registry",
+    "get_model_class": "sonar_core.models.registry",
+    "register_architecture": "sonar_core.models.registry",
+    "supported_architectures": "sonar_core.models.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

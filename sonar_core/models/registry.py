@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sonar_core.models.base import CausalLM
+if TYPE_CHECKING:
+    from sonar_core.models.base import CausalLM
 
 _REGISTRY: dict[str, type[CausalLM]] = {}
-_BUILTINS_MODULE = "sonar_core.models.architectures"
+# The built-in architectures and the module that defines and registers each. The names are known
+# without importing the model code (and torch): configuration checks and plugin registration list
+# them before anything loads. A module is imported when its class is first asked for.
+# tests/models/test_model_loader.py checks this table against the classes the modules register.
+BUILTIN_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "sonar_core.models.architectures",
+    "Qwen2ForCausalLM": "sonar_core.models.architectures",
+    "MiMoForCausalLM": "sonar_core.models.architectures",
+    "Qwen3ForCausalLM": "sonar_core.models.architectures",
+    "DeepseekV3ForCausalLM": "sonar_core.models.deepseek_v3",
+    "Gemma4ForCausalLM": "sonar_core.models.gemma4",
+    "Gemma4ForConditionalGeneration": "sonar_core.models.gemma4",
+}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -30,16 +43,9 @@ def register_architecture(name: str, cls: type[CausalLM]) -> None:
     _REGISTRY[name] = cls
 
 
-def _ensure_builtins() -> None:
-    # Imported on first use, not at module import, because the built-in module registers itself
-    # through register_architecture above.
-    importlib.import_module(_BUILTINS_MODULE)
-
-
 def supported_architectures() -> list[str]:
-    """Registered architecture names, sorted."""
-    _ensure_builtins()
-    return sorted(_REGISTRY)
+    """The built-in and registered architecture names, sorted (no model code is imported)."""
+    return sorted({*BUILTIN_ARCHITECTURES, *_REGISTRY})
 
 
 def architecture_of(hf_config: Any) -> tuple[str, str]:
@@ -57,6 +63,8 @@ def get_model_class(hf_config: Any) -> type[CausalLM]:
     """
     architecture, model_type = architecture_of(hf_config)
     supported = supported_architectures()
+    if architecture not in _REGISTRY and architecture in BUILTIN_ARCHITECTURES:
+        importlib.import_module(BUILTIN_ARCHITECTURES[architecture])  # it registers its classes
     cls = _REGISTRY.get(architecture)
     if cls is None:
         raise UnsupportedArchitectureError(

@@ -28,11 +28,12 @@ from sonar_core.layers import DecoderLayerConfig, RopeConfig
 from sonar_core.models.architectures import hf_config_from_dict, layer_config_for
 from sonar_core.spec_decode.draft_checkpoint import FIELD, DraftCheckpoint
 from sonar_core.spec_decode.layer_ids import check_layers, from_capture_ids, from_dflash_target_layer_ids
-
-ZLAB_DFLASH = "z-lab DFlash"
-DEEPSPEC_DSPARK = "DeepSpec DSpark"
-SPECULATORS_DFLASH = "speculators dflash"
-SPECULATORS_DSPARK = "speculators dspark"
+from sonar_core.spec_decode.layout_names import (
+    DEEPSPEC_DSPARK,
+    SPECULATORS_DFLASH,
+    SPECULATORS_DSPARK,
+    ZLAB_DFLASH,
+)
 
 
 @dataclass(frozen=True)

@@ -207,3 +207,17 @@ def test_folder_with_one_gguf_is_converted(tmp_path, monkeypatch):
     (tmp_path / "weights.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="must be .gguf"):
         prepare_model_dir(tmp_path / "weights.pt")
+
+
+def test_the_builtin_architecture_table_names_what_the_modules_register():
+    """The registry lists built-in names without importing model code; each name's module must
+    register exactly that class under it."""
+    import importlib
+
+    from sonar_core.models import registry
+
+    for module in set(registry.BUILTIN_ARCHITECTURES.values()):
+        importlib.import_module(module)
+    registered = {name: cls.__module__ for name, cls in registry._REGISTRY.items()}
+    assert {name: registered[name] for name in registry.BUILTIN_ARCHITECTURES} == registry.BUILTIN_ARCHITECTURES
+    assert set(registered) == set(registry.BUILTIN_ARCHITECTURES)

@@ -22,7 +22,7 @@ from sonar_core.plugins import (
     non_causal_backend_refused,
     parallel_drafting_refused,
 )
-from sonar_core.spec_decode.block_layout import DEEPSPEC_DSPARK, SPECULATORS_DFLASH, ZLAB_DFLASH
+from sonar_core.spec_decode.layout_names import DEEPSPEC_DSPARK, SPECULATORS_DFLASH, ZLAB_DFLASH
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from sonar_core.config import SpeculativeConfig, TargetInfo
 from sonar_core.errors import ConfigError
-from sonar_core.models.loader import load_model, load_tokenizer
 from sonar_core.models.registry import supported_architectures
 from sonar_core.plugins import DraftArchitecture, MethodRegistry, MethodSpec, hookimpl
-from sonar_core.spec_decode.proposer import Proposer, ProposerContext
-from sonar_draft_model.proposer import DraftModelProposer
-from sonar_draft_model.vocab import VocabularyIntersection
+
+if TYPE_CHECKING:
+    from sonar_core.spec_decode.proposer import Proposer, ProposerContext
 
 METHOD = "draft_model"
 
@@ -26,6 +25,11 @@ class DraftModelOptions(BaseModel):
 
 def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) -> Proposer:
     """Load the draft checkpoint (or take the one loaded by the weights hook) and wrap it."""
+    # Imported here: registering the method (every configuration check) must not import torch.
+    from sonar_core.models.loader import load_model, load_tokenizer
+    from sonar_draft_model.proposer import DraftModelProposer
+    from sonar_draft_model.vocab import VocabularyIntersection
+
     config = context.speculative_config
     loaded = (weights or {}).get("draft") or load_model(config.model, context.dtype, context.device)
     vocab = None

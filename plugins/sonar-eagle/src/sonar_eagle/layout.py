@@ -24,10 +24,8 @@ from sonar_core.layers import DecoderLayerConfig, RopeConfig
 from sonar_core.models.architectures import LAYER_FAMILIES, hf_config_from_dict, layer_config_for
 from sonar_core.spec_decode.draft_checkpoint import FIELD, DraftCheckpoint
 from sonar_core.spec_decode.layer_ids import check_layers, eagle3_default_layers, from_capture_ids
+from sonar_eagle.layout_names import SAFEAILAB_EAGLE1, SAFEAILAB_EAGLE3, SPECULATORS_EAGLE3
 
-SAFEAILAB_EAGLE1 = "SafeAILab EAGLE-1"
-SAFEAILAB_EAGLE3 = "SafeAILab EAGLE-3"
-SPECULATORS_EAGLE3 = "speculators eagle3"
 # Tensors a checkpoint may carry that the head does not load (training-only, rotary tables).
 TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
 

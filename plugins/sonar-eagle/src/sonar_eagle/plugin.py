@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 from sonar_core.errors import ConfigError
 from sonar_core.model_files import DEFAULT_MODEL_NAME
 from sonar_core.plugins import DraftArchitecture, MethodSpec, checkpoint_required, hookimpl
-from sonar_eagle.layout import SAFEAILAB_EAGLE1, SAFEAILAB_EAGLE3, SPECULATORS_EAGLE3, TargetShape
+from sonar_eagle.layout_names import SAFEAILAB_EAGLE1, SAFEAILAB_EAGLE3, SPECULATORS_EAGLE3
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo
@@ -137,6 +137,7 @@ def sonar_validate_speculative_config(config: SpeculativeConfig, target: TargetI
         _check_bundle(bundle, target)
         return None
     from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
+    from sonar_eagle.layout import TargetShape
     from sonar_eagle.loading import check_checkpoint
 
     checkpoint = DraftCheckpoint.open(config.model)
@@ -184,6 +185,8 @@ def _no_head(config: SpeculativeConfig) -> ConfigError:
 
 def _check_bundle(bundle: Any, target: TargetInfo) -> None:
     """A bundled head fits the target it ships for; a mismatch is a broken installation."""
+    from sonar_eagle.layout import TargetShape
+
     shape = TargetShape.of(target)
     if (bundle.hidden_size, bundle.num_layers, bundle.vocab_size) != (shape.hidden_size, shape.num_layers, shape.vocab_size):
         raise ConfigError(

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.draft_checkpoint import FIELD, DraftCheckpoint
+from sonar_medusa.layout_names import FASTERDECODING, VLLM
 
-FASTERDECODING = "FasterDecoding Medusa"
-VLLM = "vLLM MedusaConfig"
 _PREFIX = "medusa_heads."
 _FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _FD_HEAD = re.compile(r"^(\d+)\.(\d+)\.weight$")

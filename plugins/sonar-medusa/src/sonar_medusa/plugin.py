@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sonar_core.errors import ConfigError
 from sonar_core.plugins import DraftArchitecture, MethodSpec, checkpoint_required, hookimpl
-from sonar_medusa.layout import FASTERDECODING, VLLM
+from sonar_medusa.layout_names import FASTERDECODING, VLLM
 
 if TYPE_CHECKING:
     from sonar_core.config import SpeculativeConfig, TargetInfo
