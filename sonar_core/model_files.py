@@ -11,6 +11,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,10 +37,33 @@ def file_identity(path: Path) -> dict[str, object]:
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def file_cache_key(path: Path) -> str:
-    """``<stem>-<digest of file_identity>``: a cache entry name for what is derived from ``path``."""
-    digest = hashlib.sha256(json.dumps(file_identity(path), sort_keys=True).encode()).hexdigest()[:16]
-    return f"{path.stem}-{digest}"
+def file_cache_key(path: Path, *also: str) -> str:
+    """``<stem>-<digest of file_identity and also>``: a cache entry name for what is derived from
+    ``path`` (and from anything else ``also`` names, such as the target a head is unpacked for)."""
+    identity = json.dumps([file_identity(path), *also], sort_keys=True)
+    return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def cached_folder(folder: Path, build: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:
+    """``folder``, built by ``build(partial)`` in a temporary sibling on first use and renamed into
+    place, so that no reader ever sees it half-written; an interrupted build leaves nothing, and
+    when another process finishes the same folder first, its copy is kept."""
+    if is_complete(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build(partial)
+        try:
+            os.rename(partial, folder)
+        except OSError:
+            if not is_complete(folder):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return folder
 
 
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from sonar_core.model_files import cache_root, file_cache_key, file_identity
+from sonar_core.model_files import cache_root, cached_folder, file_cache_key, file_identity
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +37,9 @@ def convert_gguf(gguf_path: Path) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     dest = gguf_cache_dir(gguf_path)
-    if is_converted(dest):
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to %s (once; later loads use the cache)", gguf_path, dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        _write_hf_folder(gguf_path, tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            # Another process finished the same conversion first: keep its folder.
-            if not is_converted(dest):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    if not is_converted(dest):
+        logger.info("converting %s to %s (once; later loads use the cache)", gguf_path, dest)
+    return cached_folder(dest, lambda partial: _write_hf_folder(gguf_path, partial), is_converted)
 
 
 def _write_hf_folder(gguf_path: Path, out: Path) -> None:

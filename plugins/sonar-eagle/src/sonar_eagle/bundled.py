@@ -19,11 +19,7 @@ sonar_eagle.bundled HEAD OUT.safetensors --target MODEL`` makes a bundle of a tr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +28,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sonar_core.model_files import DEFAULT_MODEL_NAME, cache_root, default_model_path
+from sonar_core.model_files import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    cached_folder,
+    default_model_path,
+    file_cache_key,
+)
 from sonar_core.models.gguf import SOURCE_RECORD
 from sonar_core.models.weights import iter_checkpoint
 from sonar_core.spec_decode.draft_layouts import save_draft_checkpoint, vocab_maps
@@ -150,25 +152,10 @@ def bundle_for_target(target_source: str | Path | None) -> Bundle | None:
 def unpacked_head(bundle: Bundle, target_dir: Path) -> Path:
     """The speculators checkpoint of ``bundle`` for the target in ``target_dir``, unpacked into
     the cache on first use (built aside and renamed into place, so never half-written)."""
-    stat = bundle.path.stat()
-    key = json.dumps([str(bundle.path), stat.st_size, stat.st_mtime_ns, str(Path(target_dir).resolve())])
-    folder = cache_root() / "eagle3" / f"{bundle.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        unpack(bundle, target_dir, partial)
-        try:
-            os.rename(partial, folder)
-        except OSError:  # another process unpacked it first
-            if not (folder / "config.json").is_file():
-                raise
-            shutil.rmtree(partial, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return folder
+    folder = cache_root() / "eagle3" / file_cache_key(bundle.path, str(Path(target_dir).resolve()))
+    return cached_folder(
+        folder, lambda partial: unpack(bundle, target_dir, partial), lambda done: (done / "config.json").is_file()
+    )
 
 
 def _gguf_source(path: str | Path | None) -> Path | None:
