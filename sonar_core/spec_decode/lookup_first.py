@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from sonar_core.spec_decode.prompt_lookup import LookupBounds, TokenHistory, find_draft
+from sonar_core.spec_decode.prompt_lookup import LookupBounds, PromptLookup
 from sonar_core.spec_decode.proposer import DraftProposal, ProposalRequest, ProposeBatch, Proposer
 
 
@@ -39,11 +39,10 @@ class LookupFirstProposer(Proposer):
 
     def __init__(self, head: Proposer, bounds: LookupBounds, vocab_size: int, head_depth: int | None = None) -> None:
         self.head = head
-        self.bounds = bounds
         self.vocab_size = vocab_size
         self.head_depth = head_depth
         self.capabilities = head.capabilities
-        self._histories: dict[str, TokenHistory] = {}
+        self._lookup = PromptLookup(bounds)
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         looked_up = [self._look_up(request) for request in batch.requests]
@@ -64,14 +63,11 @@ class LookupFirstProposer(Proposer):
         return min(request.max_draft_tokens, self.head_depth)
 
     def _look_up(self, request: ProposalRequest) -> list[int]:
-        """The lookup's draft for ``request`` (empty: no match, or nothing to draft)."""
-        history = self._histories.get(request.request_id)
-        if history is None:
-            history = self._histories[request.request_id] = TokenHistory(capacity=2 * len(request.token_ids))
-        history.sync(request.token_ids, request.num_new_tokens)
-        if request.max_draft_tokens <= 0 or request.is_finished or request.is_partial_prefill:
-            return []
-        return find_draft(history.view(), self.bounds.min_n, self.bounds.max_n, request.max_draft_tokens).tolist()
+        """The lookup's draft for ``request`` (empty: no match, or nothing to draft). Every request
+        is seen, drafting or not, so the lookup's history keeps up with its tokens."""
+        drafting = request.max_draft_tokens > 0 and not request.is_finished and not request.is_partial_prefill
+        limit = request.max_draft_tokens if drafting else 0
+        return self._lookup.draft(request.request_id, request.token_ids, request.num_new_tokens, limit)
 
     def _probs(
         self,
@@ -97,16 +93,16 @@ class LookupFirstProposer(Proposer):
         return torch.cat([row.float() for row in rows])
 
     def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        self._histories[request_id] = TokenHistory(capacity=2 * len(prompt_token_ids))
+        self._lookup.add(request_id, prompt_token_ids)
         self.head.add_request(request_id, prompt_token_ids)
 
     def finish_request(self, request_id: str, token_ids: list[int]) -> None:
         self.head.finish_request(request_id, token_ids)
 
     def remove_request(self, request_id: str) -> None:
-        self._histories.pop(request_id, None)
+        self._lookup.remove(request_id)
         self.head.remove_request(request_id)
 
     def discard_request(self, request_id: str) -> None:
-        self._histories.pop(request_id, None)
+        self._lookup.remove(request_id)
         self.head.discard_request(request_id)

@@ -143,3 +143,29 @@ def lookup_bound_errors(prompt_lookup_min: int | None, prompt_lookup_max: int | 
             )
         )
     return errors
+
+
+class PromptLookup:
+    """Prompt lookup for many requests: one :class:`TokenHistory` per request, brought up to date
+    with each step's new tokens, and the draft of its bounds. The ``ngram`` proposer is this alone;
+    :class:`~sonar_core.spec_decode.lookup_first.LookupFirstProposer` puts it in front of a head."""
+
+    def __init__(self, bounds: LookupBounds) -> None:
+        self.bounds = bounds
+        self._histories: dict[str, TokenHistory] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Start an empty buffer sized for the prompt; the first draft call fills it."""
+        self._histories[request_id] = TokenHistory(capacity=2 * len(prompt_token_ids))
+
+    def remove(self, request_id: str) -> None:
+        self._histories.pop(request_id, None)
+
+    def draft(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` drafts for the request whose tokens are ``token_ids`` (the last
+        ``num_new_tokens`` new since the previous call); empty when nothing matches."""
+        history = self._histories.get(request_id)
+        if history is None:  # add() was skipped
+            history = self._histories[request_id] = TokenHistory(capacity=2 * len(token_ids))
+        history.sync(token_ids, num_new_tokens)
+        return find_draft(history.view(), self.bounds.min_n, self.bounds.max_n, max_tokens).tolist()

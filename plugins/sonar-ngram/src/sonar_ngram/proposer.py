@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_core.spec_decode.prompt_lookup import LookupBounds, TokenHistory, find_draft, resolve_lookup_bounds
+from sonar_core.spec_decode.prompt_lookup import LookupBounds, PromptLookup, resolve_lookup_bounds
 from sonar_core.spec_decode.proposer import (
     DraftProposal,
     ProposalRequest,
@@ -33,33 +33,21 @@ class NgramProposer(Proposer):
 
     def __init__(self, bounds: LookupBounds) -> None:
         self.bounds = bounds
-        self._histories: dict[str, TokenHistory] = {}
+        self._lookup = PromptLookup(bounds)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Start an empty buffer sized for the prompt; the first propose call fills it."""
-        self._histories[request_id] = TokenHistory(capacity=2 * len(prompt_token_ids))
+        self._lookup.add(request_id, prompt_token_ids)
 
     def remove_request(self, request_id: str) -> None:
-        self._histories.pop(request_id, None)
+        self._lookup.remove(request_id)
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        drafts: list[list[int]] = []
-        for request in batch.requests:
-            history = self._history(request)
-            drafts.append(
-                find_draft(
-                    history.view(), self.bounds.min_n, self.bounds.max_n, request.max_draft_tokens
-                ).tolist()
-            )
-        return DraftProposal(token_ids=drafts)
-
-    def _history(self, request: ProposalRequest) -> TokenHistory:
-        """The request's buffer, brought up to date (created when add_request was skipped)."""
-        history = self._histories.get(request.request_id)
-        if history is None:
-            history = self._histories[request.request_id] = TokenHistory(capacity=2 * len(request.token_ids))
-        history.sync(request.token_ids, request.num_new_tokens)
-        return history
+        return DraftProposal(
+            token_ids=[
+                self._lookup.draft(r.request_id, r.token_ids, r.num_new_tokens, r.max_draft_tokens)
+                for r in batch.requests
+            ]
+        )
 
 
 class NgramGPUProposer(Proposer):
