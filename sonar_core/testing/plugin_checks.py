@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch
 
 
@@ -53,3 +55,37 @@ def check_drafts(
     finally:
         proposer.propose = original
     return compared
+
+
+def check_drafts_from_states(
+    llm: Any,
+    prompts: list[list[int]],
+    states: Callable[[Any], torch.Tensor],
+    reference: Callable[[list[int], torch.Tensor, int], list[int]],
+) -> int:
+    """:func:`check_drafts` against a reference forward over the whole context: every target state
+    the engine hands the proposer (``states(batch.target_hidden)``, e.g. ``lambda h: h.final``) is
+    kept per request and position, and ``reference(token_ids, rows, max_draft_tokens)`` gets the
+    ``[len(token_ids) - 1, ...]`` states of every committed position, prefill chunks included."""
+    proposer = llm.engine.speculator.proposer
+    original = proposer.propose
+    kept: dict[str, dict[int, torch.Tensor]] = {}
+
+    def remembering(batch: ProposeBatch) -> Any:  # before the proposer (and check_drafts) sees it
+        rows = states(batch.target_hidden)
+        for request in batch.requests:
+            known = kept.setdefault(request.request_id, {})
+            for offset, row in enumerate(range(request.hidden_rows.start, request.hidden_rows.stop)):
+                known[request.hidden_start + offset] = rows[row].clone()
+        return original(batch)
+
+    def expected(batch: ProposeBatch, request: ProposalRequest) -> list[int]:
+        known = kept[request.request_id]
+        rows = torch.stack([known[position] for position in range(len(request.token_ids) - 1)])
+        return reference(request.token_ids, rows, request.max_draft_tokens)
+
+    proposer.propose = remembering
+    try:
+        return check_drafts(llm, prompts, expected)
+    finally:
+        proposer.propose = original

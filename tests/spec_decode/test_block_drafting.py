@@ -25,7 +25,7 @@ from sonar_core.testing.losslessness import (
     probabilistic_llm,
     sampled_output_distances,
 )
-from sonar_core.testing.plugin_checks import check_drafts
+from sonar_core.testing.plugin_checks import check_drafts_from_states
 from sonar_core.testing.reference_ops import rms_norm, rope
 
 LAYERS = 4
@@ -194,25 +194,7 @@ def test_drafts_equal_the_published_block_forward(name, chunked, target, drafter
     extra = {"max_num_batched_tokens": 8, "max_num_seqs": 4} if chunked else {}
     llm = LLM(model=str(target), dtype="float32", device="cpu", speculative_config=_config(name, drafters), **extra)
     reference = BlockReference(drafters[name], target)
-    states: dict[str, dict[int, torch.Tensor]] = {}
-    proposer = llm.engine.speculator.proposer
-    original = proposer.propose
-
-    def remembering(batch):  # every target state, before the proposer (and check_drafts) sees the batch
-        for request in batch.requests:
-            known = states.setdefault(request.request_id, {})
-            for offset, row in enumerate(range(request.hidden_rows.start, request.hidden_rows.stop)):
-                known[request.hidden_start + offset] = batch.target_hidden.aux[row].clone()
-        return original(batch)
-
-    proposer.propose = remembering
-
-    def expected(batch, request):
-        known = states[request.request_id]
-        rows = torch.stack([known[p] for p in range(len(request.token_ids) - 1)])
-        return reference.drafts(request.token_ids, rows, request.max_draft_tokens)
-
-    assert check_drafts(llm, _prompts(6), expected) > 10
+    assert check_drafts_from_states(llm, _prompts(6), lambda hidden: hidden.aux, reference.drafts) > 10
 
 
 # --- probabilistic drafting --------------------------------------------------------------------

@@ -24,7 +24,7 @@ from sonar_core.testing.losslessness import (
     sampled_output_distances,
 )
 from sonar_core.testing.mtp_layers import build_mimo_target
-from sonar_core.testing.plugin_checks import check_drafts, validate_for_target
+from sonar_core.testing.plugin_checks import check_drafts_from_states, validate_for_target
 from sonar_core.testing.reference_ops import decoder_layer, rms_norm
 
 LAYERS = 3
@@ -125,25 +125,7 @@ def test_drafts_equal_the_published_mtp_forward(chunked, mimo):
     extra = {"max_num_batched_tokens": 8, "max_num_seqs": 4} if chunked else {}
     llm = LLM(model=str(mimo), dtype="float32", device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **extra)
     reference = MimoReference(mimo)
-    states: dict[str, dict[int, torch.Tensor]] = {}
-    proposer = llm.engine.speculator.proposer
-    original = proposer.propose
-
-    def remembering(batch):
-        for request in batch.requests:
-            known = states.setdefault(request.request_id, {})
-            for offset, row in enumerate(range(request.hidden_rows.start, request.hidden_rows.stop)):
-                known[request.hidden_start + offset] = batch.target_hidden.final[row].clone()
-        return original(batch)
-
-    proposer.propose = remembering
-
-    def expected(batch, request):
-        known = states[request.request_id]
-        rows = torch.stack([known[p] for p in range(len(request.token_ids) - 1)])
-        return reference.drafts(request.token_ids, rows, request.max_draft_tokens)
-
-    assert check_drafts(llm, _prompts(6), expected) > 10
+    assert check_drafts_from_states(llm, _prompts(6), lambda hidden: hidden.final, reference.drafts) > 10
 
 
 # --- probabilistic drafting --------------------------------------------------------------------
