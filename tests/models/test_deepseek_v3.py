@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model_parity import assert_close, reference_logits
+from test_model_parity import assert_close, assert_mixed_batch_parity, reference_logits
 
 from aphrodite import LLM, SamplingParams
 from sonar_core.engine.kv_budget import bytes_per_block
@@ -87,28 +87,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 def test_logits_match_transformers(case, checkpoint, paged_runner, hf_reference):
     path = checkpoint(case)
     model = load_model(path, torch.float32, "cpu").model
-    hf = hf_reference(path)
-    rng = random.Random(0)
-    vocab = hf.config.vocab_size
-    history = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in (("a", 5), ("b", 11), ("c", 2))}
-    runner = paged_runner(model, block_size=4)
-
-    # Prefill of three sequences of different lengths in one flattened batch.
-    logits, _ = runner.step(dict(history))
-    for seq, tokens in history.items():
-        assert_close(logits[seq], reference_logits(hf, tokens), f"{case} prefill {seq}")
-
-    # Batched decode; a late prompt arrives in two chunks mixed with the decode tokens.
-    late_prompt = [rng.randrange(vocab) for _ in range(13)]
-    chunks = {1: late_prompt[:7], 2: late_prompt[7:]}
-    for step in range(5):
-        new = {seq: [rng.randrange(vocab)] for seq in history}
-        if step in chunks:
-            new["d"] = chunks[step]
-        logits, _ = runner.step(new)
-        for seq, tokens in new.items():
-            history[seq] = history.get(seq, []) + tokens
-            assert_close(logits[seq], reference_logits(hf, history[seq])[-len(tokens) :], f"{case} step {step} {seq}")
+    assert_mixed_batch_parity(model, hf_reference(path), paged_runner, steps=5, label=case)
 
 
 def test_captured_states_match_transformers_hidden_states(checkpoint, paged_runner, hf_reference):

@@ -74,31 +74,37 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def test_logits_match_transformers(arch, tied, extra, checkpoints, paged_runner, hf_reference):
     path = checkpoints.get(arch, tie_word_embeddings=tied, **extra)
     model = load_model(path, torch.float32, "cpu").model
-    hf = hf_reference(path)
+    assert_mixed_batch_parity(model, hf_reference(path), paged_runner, steps=4)
+
+
+def assert_mixed_batch_parity(model, hf, paged_runner, steps: int, verify_from: int | None = None, label: str = "") -> None:
+    """Our logits equal transformers' through a paged batch that mixes everything a step can hold:
+    a prefill of three sequences whose lengths straddle block boundaries (block size 4), then
+    ``steps`` decode steps in which a late prompt arrives in two chunks beside the decodes and,
+    from step ``verify_from`` on, sequence "a" verifies four tokens at once (a speculative step)."""
     rng = random.Random(0)
-    vocab = hf.config.vocab_size
-    # Lengths straddle block boundaries (block_size 4).
+    vocab = model.shared_modules().vocab_size
     history = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in (("a", 5), ("b", 11), ("c", 2))}
     runner = paged_runner(model, block_size=4)
+    prefix = f"{label} " if label else ""
 
-    # 1. Prefill of three sequences of different lengths in one flattened batch.
     logits, _ = runner.step(dict(history))
     for seq, tokens in history.items():
-        assert_close(logits[seq], reference_logits(hf, tokens), f"prefill {seq}")
+        assert_close(logits[seq], reference_logits(hf, tokens), f"{prefix}prefill {seq}")
 
-    # 2. Decode steps; in the second one a new sequence's prompt arrives in two chunks (chunked
-    #    prefill mixed with decode tokens in the same batch).
     late_prompt = [rng.randrange(vocab) for _ in range(13)]
     chunks = {1: late_prompt[:7], 2: late_prompt[7:]}
-    for step in range(4):
+    for step in range(steps):
         new = {seq: [rng.randrange(vocab)] for seq in history}
         if step in chunks:
             new["d"] = chunks[step]
+        if verify_from is not None and step >= verify_from:
+            new["a"] = [rng.randrange(vocab) for _ in range(4)]
         logits, _ = runner.step(new)
         for seq, tokens in new.items():
             history[seq] = history.get(seq, []) + tokens
             ref = reference_logits(hf, history[seq])[-len(tokens) :]
-            assert_close(logits[seq], ref, f"step {step} {seq}")
+            assert_close(logits[seq], ref, f"{prefix}step {step} {seq}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
