@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -96,14 +97,21 @@ def write_hidden_states(directory: Path, record: HiddenStateRecord) -> Path:
     return target
 
 
+def checked_metadata(path: Path, f: Any) -> dict[str, str]:
+    """The metadata of the open file ``f`` (``safe_open``), checked to be this format and version;
+    ValueError otherwise. For readers that take only part of a file (the trainer's headers)."""
+    metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file (format {metadata.get('format')!r})")
+    if metadata.get("version") != VERSION:
+        raise ValueError(f"{path} has {FORMAT} version {metadata.get('version')!r}; this reader reads {VERSION}")
+    return metadata
+
+
 def read_hidden_states(path: Path) -> HiddenStateRecord:
     """Read one exported file; ValueError when it is not one."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} file (format {metadata.get('format')!r})")
-        if metadata.get("version") != VERSION:
-            raise ValueError(f"{path} has {FORMAT} version {metadata.get('version')!r}; this reader reads {VERSION}")
+        metadata = checked_metadata(path, f)
         names = set(f.keys())
         return HiddenStateRecord(
             request_id=metadata["request_id"],

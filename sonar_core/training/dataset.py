@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from sonar_core.spec_decode.hidden_state_files import FORMAT
+from sonar_core.spec_decode.hidden_state_files import checked_metadata
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,7 @@ class StreamingDataset:
 
 def _read_info(path: Path) -> RecordInfo:
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a {FORMAT} file")
+        metadata = checked_metadata(path, f)
         names = set(f.keys())
         if "final_hidden_states" not in names:
             raise ValueError(f"{path} has no final_hidden_states; export with include_final")
