@@ -10,7 +10,6 @@ in the last slot, RoPE positions, draft KV holes after chunked prefill, stale KV
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.testing.reference_ops import rms_norm, rope
+from sonar_core.testing.reference_ops import causal_self_attention, gated_mlp, rms_norm
 
 PROMPTS = [[5, 9, 12, 40, 7] * 6, [100, 3, 3, 8], list(range(20, 61)), [7] * 3 + list(range(300, 330))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
@@ -48,25 +47,10 @@ class Reference:
             self.target_ids = torch.arange(self.w["d2t"].shape[0]) + self.w["d2t"]
 
     def _attention(self, prefix: str, z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        head_dim = w[f"{prefix}self_attn.q_proj.weight"].shape[0] // self.heads
-        q = (z @ w[f"{prefix}self_attn.q_proj.weight"].T).view(-1, self.heads, head_dim)
-        k = (z @ w[f"{prefix}self_attn.k_proj.weight"].T).view(-1, self.kv_heads, head_dim)
-        v = (z @ w[f"{prefix}self_attn.v_proj.weight"].T).view(-1, self.kv_heads, head_dim)
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
-        causal = torch.ones(len(z), len(z), dtype=torch.bool).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        out = torch.einsum("hqk,khd->qhd", probs, v).reshape(len(z), -1)
-        return out @ w[f"{prefix}self_attn.o_proj.weight"].T
+        return causal_self_attention(self.w, prefix, z, positions, self.heads, self.kv_heads, self.theta, self.eps)
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        h = rms_norm(x, w[f"{prefix}post_attention_layernorm.weight"], self.eps)
-        gate, up = h @ w[f"{prefix}mlp.gate_proj.weight"].T, h @ w[f"{prefix}mlp.up_proj.weight"].T
-        return x + (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}mlp.down_proj.weight"].T
+        return x + gated_mlp(self.w, prefix, rms_norm(x, self.w[f"{prefix}post_attention_layernorm.weight"], self.eps))
 
     def _llama_layer(self, index: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         prefix = f"layers.{index}."
