@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 DELTA = 1e-6
+
+
+def random_prompts(count: int, seed: int, vocab: int = 512, max_len: int = 40) -> list[list[int]]:
+    """``count`` seeded prompts of 2..``max_len`` token ids in ``3..vocab-1`` (above the special
+    ids of the test kit's tokenizer): the mix of lengths the losslessness tests run."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, max_len))] for _ in range(count)]
 
 
 def l1_bound(samples: int, categories: int, delta: float = DELTA) -> float:

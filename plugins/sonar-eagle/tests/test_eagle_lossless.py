@@ -3,7 +3,6 @@ layouts, batch sizes, depths, chunked prefill, preemption and aborts; nothing le
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from aphrodite import LLM, SamplingParams
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.kv import KVLayerSpec
+from sonar_core.testing.losslessness import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 HEADS = {
@@ -22,8 +22,7 @@ HEADS = {
 
 
 def _prompts(count: int, seed: int = 11) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 45))] for _ in range(count)]
+    return random_prompts(count, seed=seed, max_len=45)
 
 
 def _generate(target: Path, speculative_config=None, prompts=None, **engine) -> tuple[list[list[int]], LLM]:

@@ -4,7 +4,6 @@ published forward; probabilistic drafting follows the target; every bad checkpoi
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from sonar_core.testing.losslessness import (
     greedy_outputs,
     per_position_acceptance,
     probabilistic_llm,
+    random_prompts,
     sampled_output_distances,
 )
 from sonar_core.testing.medusa_heads import build_medusa_head
@@ -32,8 +32,7 @@ LAYOUTS = {
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 40))] for _ in range(8)]
+    return random_prompts(8, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from sonar_core.testing.losslessness import (
     greedy_outputs,
     per_position_acceptance,
     probabilistic_llm,
+    random_prompts,
     sampled_output_distances,
     target_logits,
 )
@@ -54,8 +54,7 @@ def _depth(variant: str) -> int:
 
 
 def _prompts() -> list[list[int]]:
-    rng = random.Random(8)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 40))] for _ in range(8)]
+    return random_prompts(8, seed=8)
 
 
 @pytest.fixture(scope="module")

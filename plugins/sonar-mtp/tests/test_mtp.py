@@ -5,7 +5,6 @@ drafting follows the target distribution; every startup check and the old method
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from sonar_core.testing.losslessness import (
     greedy_outputs,
     per_position_acceptance,
     probabilistic_llm,
+    random_prompts,
     sampled_output_distances,
 )
 from sonar_core.testing.mtp_layers import build_mimo_target
@@ -31,8 +31,7 @@ LAYERS = 3
 
 
 def _prompts(count: int = 8) -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(count)]
+    return random_prompts(count, seed=5, vocab=500, max_len=40)
 
 
 @pytest.fixture(scope="module")

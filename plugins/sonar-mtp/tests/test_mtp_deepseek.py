@@ -4,7 +4,6 @@ greedy output with MTP equals plain output (batches, depths, chunked prefill).""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from aphrodite import LLM
-from sonar_core.testing.losslessness import greedy_outputs
+from sonar_core.testing.losslessness import greedy_outputs, random_prompts
 from sonar_core.testing.mtp_layers import build_deepseek_target
 from sonar_core.testing.plugin_checks import check_drafts, validate_for_target
 
@@ -20,8 +19,7 @@ LAYERS = 2
 
 
 def _prompts(count: int = 6) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(3, 250) for _ in range(rng.randint(2, 30))] for _ in range(count)]
+    return random_prompts(count, seed=7, vocab=250, max_len=30)
 
 
 @pytest.fixture(scope="module")

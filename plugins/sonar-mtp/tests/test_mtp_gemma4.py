@@ -6,7 +6,6 @@ form's startup checks."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from aphrodite import LLM
 from sonar_core.errors import ConfigError
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
-from sonar_core.testing.losslessness import greedy_outputs
+from sonar_core.testing.losslessness import greedy_outputs, random_prompts
 from sonar_core.testing.mtp_layers import build_gemma4_assistant, build_mimo_target
 from sonar_core.testing.plugin_checks import check_drafts, validate_for_target
 
@@ -23,8 +22,7 @@ DEPTH = 3
 
 
 def _prompts(count: int = 6) -> list[list[int]]:
-    rng = random.Random(9)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(count)]
+    return random_prompts(count, seed=9, vocab=500, max_len=30)
 
 
 @pytest.fixture(scope="module")
