@@ -10,9 +10,9 @@ from typing import Any
 
 from sonar_core.entrypoints.args import add_model_arg
 from sonar_core.errors import ConfigError
+from sonar_core.training.methods import METHODS
 
 NAME = "train-draft"
-METHODS = ("eagle3", "medusa", "mlp_speculator", "dflash")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -1,33 +1,52 @@
 """The trainable heads, one module per method; :func:`build_trainer` makes the one asked for.
 
 Each wraps the module its plugin drafts with (imported from that plugin), so a method is trainable
-here only when its plugin is installed.
+here only when its plugin is installed. This module imports neither torch nor a trainer, so the
+command line can list the methods without loading either.
 """
 
 from __future__ import annotations
 
 import importlib
-
-import torch
+from typing import TYPE_CHECKING
 
 from sonar_core.errors import ConfigError
-from sonar_core.plugins import install_command
-from sonar_core.training.methods.base import HeadOptions, HeadTrainer
-from sonar_core.training.target import TrainingTarget
+from sonar_core.plugins import SONAR_METHOD_PACKAGES, install_command
 
-# method -> (the distribution whose module the head is, whether it can score a reduced vocabulary)
-METHODS: dict[str, tuple[str, bool]] = {
-    "eagle3": ("sonar-eagle", True),
-    "medusa": ("sonar-medusa", True),
-    "mlp_speculator": ("sonar-mlp-speculator", False),
-    "dflash": ("sonar-dflash", False),
+if TYPE_CHECKING:
+    import torch
+
+    from sonar_core.training.methods.base import HeadOptions, HeadTrainer
+    from sonar_core.training.target import TrainingTarget
+
+# method -> the trainer class, in the module of the same name under sonar_core.training.methods.
+_TRAINERS: dict[str, str] = {
+    "eagle3": "Eagle3Trainer",
+    "medusa": "MedusaTrainer",
+    "mlp_speculator": "MLPSpeculatorTrainer",
+    "dflash": "DFlashTrainer",
 }
-_PLUGIN_MODULES = {"eagle3": "sonar_eagle", "medusa": "sonar_medusa", "mlp_speculator": "sonar_mlp_speculator",
-                   "dflash": "sonar_dflash"}
+METHODS: tuple[str, ...] = tuple(_TRAINERS)
+
+
+def trainer_class(method: str) -> type[HeadTrainer]:
+    """The trainer of ``method``; a ConfigError for a method that cannot be trained or whose plugin
+    is missing (its distribution from SONAR_METHOD_PACKAGES, its module that name with ``_``)."""
+    if method not in _TRAINERS:
+        raise ConfigError("method", f"{method!r} cannot be trained here", f"choose one of {', '.join(METHODS)}")
+    package = SONAR_METHOD_PACKAGES[method]
+    try:
+        importlib.import_module(package.replace("-", "_"))
+    except ImportError:
+        raise ConfigError(
+            "method", f"training {method} needs its plugin, which is not installed", install_command(package)
+        ) from None
+    return getattr(importlib.import_module(f"{__name__}.{method}"), _TRAINERS[method])
 
 
 def reduces_vocabulary(method: str) -> bool:
-    return METHODS[method][1]
+    """Whether ``method``'s head can score a reduced draft vocabulary."""
+    return trainer_class(method).reduces_vocabulary
 
 
 def build_trainer(
@@ -38,27 +57,5 @@ def build_trainer(
     layers: tuple[int, ...],
     mask_token_id: int,
 ) -> HeadTrainer:
-    """The trainer of ``method`` (a ConfigError when its plugin is missing)."""
-    if method not in METHODS:
-        raise ConfigError("method", f"{method!r} cannot be trained here", f"choose one of {', '.join(METHODS)}")
-    try:
-        importlib.import_module(_PLUGIN_MODULES[method])
-    except ImportError:
-        raise ConfigError(
-            "method", f"training {method} needs its plugin, which is not installed", install_command(METHODS[method][0])
-        ) from None
-    if method == "eagle3":
-        from sonar_core.training.methods.eagle3 import Eagle3Trainer
-
-        return Eagle3Trainer(target, options, draft_vocab, layers)
-    if method == "medusa":
-        from sonar_core.training.methods.medusa import MedusaTrainer
-
-        return MedusaTrainer(target, options, draft_vocab)
-    if method == "mlp_speculator":
-        from sonar_core.training.methods.mlp_speculator import MLPSpeculatorTrainer
-
-        return MLPSpeculatorTrainer(target, options, draft_vocab)
-    from sonar_core.training.methods.dflash import DFlashTrainer
-
-    return DFlashTrainer(target, options, draft_vocab, layers, mask_token_id)
+    """The trainer of ``method`` for ``target`` (a ConfigError when its plugin is missing)."""
+    return trainer_class(method).create(target, options, draft_vocab, layers, mask_token_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,21 @@ class HeadTrainer(ABC):
     method: str
     # Target states the head reads (Sonar's index), loaded with each batch; None: final states only.
     layers: tuple[int, ...] | None = None
+    # Whether the head can score a reduced draft vocabulary (EAGLE-3, Medusa) or scores them all.
+    reduces_vocabulary: ClassVar[bool] = False
+
+    @classmethod
+    def create(
+        cls,
+        target: TrainingTarget,
+        options: HeadOptions,
+        draft_vocab: torch.Tensor,
+        layers: tuple[int, ...],
+        mask_token_id: int,
+    ) -> HeadTrainer:
+        """The trainer from everything the pipeline knows; heads that read target layers (EAGLE-3,
+        DFlash) or mark slots with a mask token (DFlash) override it to take them."""
+        return cls(target, options, draft_vocab)
 
     def __init__(self, target: TrainingTarget, options: HeadOptions, draft_vocab: torch.Tensor) -> None:
         self.target = target

@@ -43,6 +43,17 @@ ANCHORS_PER_SEQUENCE = 32
 class DFlashTrainer(HeadTrainer):
     method = "dflash"
 
+    @classmethod
+    def create(
+        cls,
+        target: TrainingTarget,
+        options: HeadOptions,
+        draft_vocab: torch.Tensor,
+        layers: tuple[int, ...],
+        mask_token_id: int,
+    ) -> DFlashTrainer:
+        return cls(target, options, draft_vocab, layers, mask_token_id)
+
     def __init__(
         self,
         target: TrainingTarget,

@@ -54,6 +54,18 @@ from sonar_core.training.target import TrainingTarget
 
 class Eagle3Trainer(HeadTrainer):
     method = "eagle3"
+    reduces_vocabulary = True
+
+    @classmethod
+    def create(
+        cls,
+        target: TrainingTarget,
+        options: HeadOptions,
+        draft_vocab: torch.Tensor,
+        layers: tuple[int, ...],
+        mask_token_id: int,
+    ) -> Eagle3Trainer:
+        return cls(target, options, draft_vocab, layers)
 
     def __init__(
         self, target: TrainingTarget, options: HeadOptions, draft_vocab: torch.Tensor, layers: tuple[int, ...]

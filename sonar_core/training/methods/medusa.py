@@ -23,6 +23,7 @@ from sonar_core.training.target import TrainingTarget
 
 class MedusaTrainer(HeadTrainer):
     method = "medusa"
+    reduces_vocabulary = True
 
     def __init__(self, target: TrainingTarget, options: HeadOptions, draft_vocab: torch.Tensor) -> None:
         from sonar_medusa.heads import MedusaHeads
