@@ -50,9 +50,13 @@ class ChainDraftHead(nn.Module, ABC):
     target_final_hidden: bool = False
     kv_layers: tuple[KVLayerSpec, ...] = ()
 
-    @abstractmethod
     def target_input(self, target: TargetHiddenStates, rows: torch.Tensor) -> torch.Tensor:
-        """``[R, H]``: the hidden input of the first pass for ``rows`` of the step's flat batch."""
+        """``[R, H]``: the hidden input of the first pass for ``rows`` of the step's flat batch. By
+        default the target's final state, for heads that declare ``target_final_hidden`` (EAGLE-1,
+        MTP); heads that read other layers override it."""
+        if not self.target_final_hidden:
+            raise NotImplementedError(f"{type(self).__name__} reads target layers: implement target_input")
+        return target.final.index_select(0, rows)
 
     @abstractmethod
     def forward(

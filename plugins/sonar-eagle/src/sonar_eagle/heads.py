@@ -71,9 +71,6 @@ class Eagle1Head(_EagleHead):
         self.layers = nn.ModuleList(DecoderLayer(layout.layer) for _ in range(layout.num_layers))
         self.layers[0].input_layernorm = nn.Identity()
 
-    def target_input(self, target: TargetHiddenStates, rows: torch.Tensor) -> torch.Tensor:
-        return target.final.index_select(0, rows)
-
     def forward(
         self,
         token_ids: torch.Tensor,

@@ -18,7 +18,6 @@ from sonar_core.layers import AttentionMetadata, RMSNorm
 from sonar_core.layers.linear import Linear
 from sonar_core.models.base import TargetModules
 from sonar_core.spec_decode.chain_proposer import ChainDraftHead
-from sonar_core.spec_decode.proposer import TargetHiddenStates
 from sonar_mtp.families import MtpFamily
 
 
@@ -65,9 +64,6 @@ class MtpHead(ChainDraftHead):
         self.kv_layers = (family.kv_spec(hf_config),) * num_layers
         self.rotary = family.build_rotary(hf_config)
         self._target = target
-
-    def target_input(self, target: TargetHiddenStates, rows: torch.Tensor) -> torch.Tensor:
-        return target.final.index_select(0, rows)
 
     def forward(
         self,
