@@ -151,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
                  for row in rows]
         print(render_table(_COLUMNS, table, _WIDTHS))
         if any(row["old_names"] for row in rows):
-            print("\nold: names a method replaces, accepted with a warning to write the method's name instead "
-                  '([ngram] is vLLM\'s legacy spelling, from "model": "[ngram]").')
+            print("\nold: names a method replaces, accepted with a warning to write the method's name instead.")
     else:
         print("No speculation methods are installed.")
     if not_loaded:

@@ -51,7 +51,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             name="ngram",
             core_fields=LOOKUP_FIELDS,
             create_proposer=create_ngram_proposer,
-            description="CPU prompt lookup",
+            description='CPU prompt lookup (old name [ngram]: vLLM\'s "model": "[ngram]" spelling)',
             options_model=NgramOptions,
         ),
         old_names=("[ngram]",),
