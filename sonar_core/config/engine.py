@@ -45,10 +45,17 @@ class EngineConfig(BaseModel):
 
     model: str | None = None
     """Target checkpoint: a local folder with config.json, a .gguf file or a Hugging Face
-    repository id. Unset: the embedded default model (SmolLM2-135M-Instruct)."""
+    repository id (taken from the local Hugging Face cache, else downloaded into it). Unset: the
+    embedded default model (SmolLM2-135M-Instruct)."""
+
+    revision: str | None = None
+    """Branch, tag or commit of ``model`` when it is a repository id. Unset: the default branch."""
 
     tokenizer: str | None = None
     """Tokenizer to load instead of the model's own (same forms as ``model``)."""
+
+    tokenizer_revision: str | None = None
+    """Branch, tag or commit of ``tokenizer`` when it is a repository id. Unset: the default branch."""
 
     dtype: str = "auto"
     """Weights and activations: float32 (fp32, float), float16 (fp16, half), bfloat16 (bf16) or
@@ -90,8 +97,10 @@ class EngineConfig(BaseModel):
     1 is accepted (the flag parses so that vLLM command lines give a clear error)."""
 
     trust_remote_code: bool = False
-    """Accepted for compatibility with vLLM command lines. Sonar runs its own model code and never
-    executes code from a checkpoint, so the flag changes nothing."""
+    """Let a tokenizer run the Python code its repository ships (a custom tokenizer class named in
+    tokenizer_config.json's auto_map); the repository's .py files are then downloaded too.
+    Model code never comes from a checkpoint: Sonar runs its own implementation of each
+    architecture, with or without the flag."""
 
     enforce_eager: bool = False
     """Run PyTorch eagerly: no CUDA graphs or compilation."""

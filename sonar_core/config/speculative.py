@@ -42,6 +42,10 @@ class SpeculativeConfig(BaseModel):
     config.json, a .gguf file or a Hugging Face repository id. Unset: the method uses the target
     checkpoint (MTP layers inside the target) or needs no checkpoint (n-gram, suffix)."""
 
+    revision: str | None = None
+    """Branch, tag or commit of ``model`` when it is a repository id. Unset: the default branch
+    (not the target's revision)."""
+
     num_speculative_tokens: int | None = None
     """The maximum number of draft tokens per step. Every method needs it; some also impose a limit
     from the draft checkpoint, and suffix decoding may draft fewer."""

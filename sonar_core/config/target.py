@@ -1,8 +1,9 @@
 """What validation needs to know about a checkpoint, read from its config alone (no weights).
 
 A checkpoint is a folder with config.json, a .gguf file (its metadata only) or a Hugging Face
-repository id already in the local cache; the embedded default model and cached repository ids are
-found through the model loader, so validation and loading agree on what a name means.
+repository id (its config files are fetched, never its weights); the embedded default model and
+repository ids are found through :func:`~sonar_core.model_files.resolve_model_path`, so validation
+and loading agree on what a name means.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from sonar_core.config.quantization import checkpoint_quantization
 from sonar_core.errors import ConfigError
+from sonar_core.hub import CONFIG, HubError
 from sonar_core.model_files import cache_root, file_cache_key, resolve_model_path
 
 # Keys under which configs state the longest sequence; when several exist the smallest wins.
@@ -52,11 +54,6 @@ _GGUF_CONFIG_KEYS: Mapping[str, str] = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
-_NOT_FOUND_FIX = (
-    "pass a local folder that holds config.json, a .gguf file, or a Hugging Face repository id that "
-    "is in the local cache (download it first with `hf download REPO`; Sonar never downloads models); "
-    "omit the model for the embedded default"
-)
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,11 @@ class TargetInfo:
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError("model", f"{str(path)!r} has no config.json", _NOT_FOUND_FIX) from None
+            raise ConfigError(
+                "model",
+                f"{str(path)!r} has no config.json",
+                "pass a folder that holds config.json, a .gguf file or a Hugging Face repository id",
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(
                 "model",
@@ -133,10 +134,10 @@ class TargetInfo:
 
     @classmethod
     def from_model(
-        cls, model: str | None, *, tensor_parallel_size: int = 1, field: str = "model"
+        cls, model: str | None, *, revision: str | None = None, tensor_parallel_size: int = 1, field: str = "model"
     ) -> TargetInfo:
         """From any model reference; see :func:`target_info_for`."""
-        return target_info_for(model, tensor_parallel_size=tensor_parallel_size, field=field)
+        return target_info_for(model, revision=revision, tensor_parallel_size=tensor_parallel_size, field=field)
 
     def with_tensor_parallel_size(self, tensor_parallel_size: int) -> TargetInfo:
         return replace(self, tensor_parallel_size=tensor_parallel_size)
@@ -164,34 +165,40 @@ class TargetInfo:
         return Path(self.source).parent if self.source.endswith("config.json") else None
 
 
-def target_info_for(model: str | None, *, tensor_parallel_size: int = 1, field: str = "model") -> TargetInfo:
+def target_info_for(
+    model: str | None,
+    *,
+    revision: str | None = None,
+    tensor_parallel_size: int = 1,
+    field: str = "model",
+    revision_field: str = "revision",
+) -> TargetInfo:
     """The :class:`TargetInfo` of ``model`` without loading its weights.
 
-    ``model`` is resolved as the model loader resolves it (nothing is downloaded): ``None`` is the
-    embedded default model, a path is read directly (folder with config.json, a .gguf file or a
-    folder with one), and a repository id is looked up in the local Hugging Face cache. Failures
-    are a :class:`ConfigError` on ``field``.
+    ``model`` is resolved as the model loader resolves it: ``None`` is the embedded default model,
+    a path is read directly (folder with config.json, a .gguf file or a folder with one), and a
+    repository id at ``revision`` comes from the local Hugging Face cache or has its config files
+    downloaded. Failures are a :class:`ConfigError` on ``field`` (on ``revision_field`` for an
+    unknown revision).
     """
     try:
         path = Path(model).expanduser() if model is not None else None
         if path is None or not path.exists():
-            path = _resolve(model)
+            path = _resolve(model, revision, revision_field)
         return _from_path(path, tensor_parallel_size)
     except ConfigError as exc:
-        raise _on_field(exc, field) from None
+        raise exc if exc.field == revision_field else _on_field(exc, field) from None
 
 
-def _resolve(model: str | None) -> Path:
+def _resolve(model: str | None, revision: str | None, revision_field: str) -> Path:
     try:
-        return Path(resolve_model_path(model))
+        return Path(resolve_model_path(model, revision, CONFIG))
+    except HubError as exc:
+        raise ConfigError(revision_field if exc.about_revision else "model", exc.problem, exc.fix) from None
     except (OSError, ValueError) as exc:
         if model is None:  # the embedded default model is not installed; the loader says how to install it
             raise ConfigError("model", str(exc), "install the default model, or pass MODEL") from None
-        raise ConfigError(
-            "model",
-            f"{model!r} is neither an existing path nor a repository id in the local Hugging Face cache",
-            _NOT_FOUND_FIX,
-        ) from None
+        raise
 
 
 def _from_path(path: Path, tensor_parallel_size: int) -> TargetInfo:
@@ -265,7 +272,7 @@ def _read_gguf_metadata(path: Path) -> dict[str, Any]:
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError("model", f"{str(path)!r} is not a readable GGUF file ({exc})", _NOT_FOUND_FIX) from None
+        raise ConfigError("model", f"{str(path)!r} is not a readable GGUF file ({exc})", "pass a complete GGUF file (download it again if it was cut short)") from None
 
     def value(key: str) -> Any:
         entry = reader.fields.get(key)

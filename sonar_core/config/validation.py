@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -25,6 +26,8 @@ from sonar_core.config.speculative import CORE_FIELDS, FIELD, METHOD_SPECIFIC_FI
 from sonar_core.config.target import TargetInfo, target_info_for
 from sonar_core.config.validation_errors import config_error_from_validation, unknown_field_fix
 from sonar_core.errors import ConfigError
+from sonar_core.hub import CONFIG, TOKENIZER, HubError
+from sonar_core.model_files import resolve_model_path
 
 logger = logging.getLogger("sonar.config")
 
@@ -91,14 +94,16 @@ def validate_speculative_config(
     it and it is not given. ``methods`` is the catalogue of installed methods (the plugin manager).
     """
     config = SpeculativeConfig.build(config)
+    named_model = config.model
+    config = _with_local_draft(config)
     warnings: list[str] = []
-    requested, spec = _resolve_method(config, target, methods, warnings)
+    requested, spec = _resolve_method(config, named_model, target, methods, warnings)
     config = config.model_copy(update={"method": spec.name})
     options = _validate_options(config, spec)
     warnings.extend(_fields_without_effect(config, spec, methods))
     formats = [entry for entry in spec.draft_architectures if entry.serves(target.architectures if target else None)]
     if config.model is not None and formats:
-        draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
+        draft = draft or _draft_info(config)
         _check_draft_architecture(spec.name, formats, draft, methods)
     if config.num_speculative_tokens is None:
         default = methods.default_num_speculative_tokens(config, target)
@@ -146,8 +151,11 @@ def validate_config(
     """
     engine = config if isinstance(config, EngineConfig) else EngineConfig.build(**config)
     if target is None:
-        target = target_info_for(engine.model, tensor_parallel_size=engine.tensor_parallel_size)
+        target = target_info_for(
+            engine.model, revision=engine.revision, tensor_parallel_size=engine.tensor_parallel_size
+        )
     engine = validate_engine_config(engine, target)
+    _check_tokenizer(engine)
     if engine.speculative_config is None:
         return ValidatedConfig(engine, target, None)
     speculative = validate_speculative_config(
@@ -160,8 +168,46 @@ def validate_config(
     return ValidatedConfig(engine, target, speculative)
 
 
+def _check_tokenizer(engine: EngineConfig) -> None:
+    """A ``tokenizer`` that names a repository resolves (its tokenizer files are small enough to
+    fetch during the check); a missing folder or repository fails here, before any weight loads."""
+    if engine.tokenizer is None:
+        return
+    try:
+        resolve_model_path(engine.tokenizer, engine.tokenizer_revision, TOKENIZER)
+    except HubError as exc:
+        raise ConfigError("tokenizer_revision" if exc.about_revision else "tokenizer", exc.problem, exc.fix) from None
+
+
+def _draft_info(config: SpeculativeConfig) -> TargetInfo:
+    """The draft checkpoint's info, errors on the draft's own fields."""
+    return target_info_for(
+        config.model, revision=config.revision, field=f"{FIELD}.model", revision_field=f"{FIELD}.revision"
+    )
+
+
+def _with_local_draft(config: SpeculativeConfig) -> SpeculativeConfig:
+    """``config`` with a repository id in ``model`` replaced by its snapshot folder at ``revision``
+    (config files only: the plugin that loads the draft fetches the weights into the same
+    commit's folder), so that every later rule and the plugin read one commit.
+
+    A repository that cannot be resolved stays an id: a method that loads no checkpoint then says
+    to remove ``model``, and one that reads it meets the same failure as an error on ``model``.
+    An unknown revision is an error at once."""
+    if config.model is None or Path(config.model).expanduser().exists():
+        return config
+    try:
+        folder = resolve_model_path(config.model, config.revision, CONFIG)
+    except HubError as exc:
+        if exc.about_revision:
+            raise ConfigError(f"{FIELD}.revision", exc.problem, exc.fix) from None
+        return config
+    return config.model_copy(update={"model": str(folder)})
+
+
 def _resolve_method(
     config: SpeculativeConfig,
+    named_model: str | None,
     target: TargetInfo | None,
     methods: MethodCatalogue,
     warnings: list[str],
@@ -175,10 +221,10 @@ def _resolve_method(
                 f'set "method" to one of the installed methods ({", ".join(methods.method_names()) or "none"}), '
                 'for example {"method": "ngram", "num_speculative_tokens": 4}',
             )
-        draft = target_info_for(config.model, field=f"{FIELD}.model")
-        requested, reason = detect_method(config.model, draft)
+        draft = _draft_info(config)
+        requested, reason = detect_method(named_model or config.model, draft)
         warnings.append(
-            f'{FIELD}.method is not set; using "{requested}" for model {config.model!r} ({reason}). '
+            f'{FIELD}.method is not set; using "{requested}" for model {named_model!r} ({reason}). '
             'Set "method" explicitly to silence this warning.'
         )
     spec = methods.resolve_method(requested, target)
@@ -270,7 +316,7 @@ def _draft_length_from_checkpoint(
 ) -> SpeculativeConfig:
     """Unset, the draft's max_model_len is the draft checkpoint's own limit where that is shorter
     than the engine's: longer requests then stop speculating instead of drafting past it."""
-    draft = draft or target_info_for(config.model, field=f"{FIELD}.model")
+    draft = draft or _draft_info(config)
     limit = draft.max_position_embeddings
     if limit is None or (engine_max_model_len is not None and limit >= engine_max_model_len):
         return config

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,10 +23,11 @@ from sonar_core.engine.speculator import ProposeItem, Speculator
 from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.engine.verifier import Verifier
+from sonar_core.hub import FileSet
 from sonar_core.kv import allocate_kv_cache
-from sonar_core.model_files import DEFAULT_MODEL_NAME
+from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models.hidden_capture import HiddenStateCapture
-from sonar_core.models.loader import load_model, load_tokenizer
+from sonar_core.models.loader import LoadedModel, load_model, load_tokenizer
 from sonar_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sonar_core.plugins.manager import SonarPluginManager, get_plugin_manager
 from sonar_core.sample.sampler import make_generator
@@ -65,10 +67,12 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         speculative = validated.speculative
         claimed = plugin_manager.target_tensor_claims(speculative.config if speculative else None, validated.target)
-        loaded = load_model(config.model, self.dtype, self.device, claimed_prefixes=claimed)
+        loaded = load_model(config.model, self.dtype, self.device, claimed_prefixes=claimed,
+                            revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
-        self.tokenizer = load_tokenizer(loaded)
+        self.tokenizer = load_tokenizer(self._tokenizer_source(config, loaded),
+                                        trust_remote_code=config.trust_remote_code)
         self.model_name = config.model or DEFAULT_MODEL_NAME
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.max_model_len
@@ -140,6 +144,15 @@ class LLMEngine:
             self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
             f" speculative={config.speculative_config.method}" if plan else "",
         )
+
+    @staticmethod
+    def _tokenizer_source(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | Path:
+        """The model's own tokenizer, or the folder of the one ``tokenizer`` names (at
+        ``tokenizer_revision``), with its repository's code files under trust_remote_code."""
+        if config.tokenizer is None:
+            return loaded
+        files = FileSet(tokenizer=True, code=config.trust_remote_code)
+        return resolve_model_path(config.tokenizer, config.tokenizer_revision, files)
 
     def _attention_backend(self, name: str | None) -> AttentionBackend:
         """The draft's attention backend; says so when the device runs another one instead."""

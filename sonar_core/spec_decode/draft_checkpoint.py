@@ -1,8 +1,9 @@
 """A draft checkpoint (EAGLE head, MTP assistant, DFlash block model, ...) as plugins read it.
 
-:meth:`DraftCheckpoint.open` resolves the name the way the target's is resolved (a folder, a
-repository id in the local Hugging Face cache; nothing is downloaded) and reads its config and its
-tensors' names and shapes from the file headers, without loading weights. Configuration checks
+:meth:`DraftCheckpoint.open` resolves the name the way the target's is resolved (a folder, or a
+Hugging Face repository id with its config files only) and reads its config and its tensors' names
+and shapes from the file headers (on the Hub when the weights are not downloaded yet), without
+loading weights; :meth:`DraftCheckpoint.tensors` fetches the weights when it first needs them. Configuration checks
 compare that layout with what the method's head expects (:meth:`check_layout`), so a missing,
 unexpected or misshapen tensor fails at ``--check-config`` with every problem listed, and a
 checkpoint that passed loads whole or not at all.
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from sonar_core.errors import ConfigError
+from sonar_core.hub import CONFIG, HubError
 from sonar_core.model_files import resolve_model_path
 from sonar_core.models.weights import CheckpointError, checkpoint_shapes, iter_checkpoint
 from sonar_core.spec_decode.speculators_format import SpeculatorsConfig
@@ -45,7 +47,9 @@ class DraftCheckpoint:
         """Read ``model``'s config.json and tensor headers; a ConfigError on ``speculative_config.model``
         when the folder, its config or its weights cannot be read."""
         try:
-            path = Path(resolve_model_path(model))
+            path = Path(resolve_model_path(model, files=CONFIG))
+        except HubError as exc:
+            raise ConfigError(FIELD, exc.problem, exc.fix) from None
         except (OSError, ValueError) as exc:
             raise ConfigError(FIELD, str(exc), "pass the draft checkpoint's local folder") from None
         if path.is_file() or not (path / "config.json").is_file():

@@ -27,7 +27,8 @@ RANKS: dict[str, int] = {
     "layers": 3, "sample": 3,
     "kv": 2,
     "config": 1,
-    "errors": 0, "sampling_params": 0, "outputs": 0, "model_files": 0, "attention_backends": 0, "__init__": 0,
+    "errors": 0, "sampling_params": 0, "outputs": 0, "model_files": 0, "hub": 0, "attention_backends": 0,
+    "__init__": 0,
 }
 # Imports between different parts of the same rank that the design allows (importer, imported).
 SAME_RANK_ALLOWED = {
@@ -38,6 +39,8 @@ SAME_RANK_ALLOWED = {
     ("bench", "entrypoints"),            # the bench drives the CLI and the LLM class
     ("bench", "testing"),                # truncated drafts and random heads for benchmark rows
     ("testing", "entrypoints"),          # the test kit checks losslessness through the LLM class
+    ("model_files", "hub"),              # repository ids resolve through the Hub client
+    ("hub", "errors"),
 }
 # Imports of a higher part by one named module (importer module, imported part): the trainer sits
 # above everything it drives, and only its command reaches up to it.

@@ -191,8 +191,8 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
         resolve_model_path(None)
 
 
-def test_unknown_model_is_not_downloaded(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloaded"):
+def test_a_missing_path_is_not_taken_for_a_repository_id(tmp_path):
+    with pytest.raises(OSError, match="neither an existing path nor a Hugging Face repository id"):
         resolve_model_path(str(tmp_path / "no-such-model"))
 
 

@@ -31,7 +31,9 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     from sonar_draft_model.vocab import VocabularyIntersection
 
     config = context.speculative_config
-    loaded = (weights or {}).get("draft") or load_model(config.model, context.dtype, context.device)
+    loaded = (weights or {}).get("draft") or load_model(
+        config.model, context.dtype, context.device, field="speculative_config.model"
+    )
     vocab = None
     if config.use_heterogeneous_vocab:
         vocab = VocabularyIntersection(context.target_tokenizer, load_tokenizer(loaded), context.device)
