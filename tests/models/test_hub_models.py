@@ -276,13 +276,16 @@ def test_aphrodite_check_config_resolves_ids_without_weights(
     hub.add_repo(TARGET, published)
     hub.add_repo(DRAFT, checkpoints.truncated_draft(target_dir, num_layers=1))
     speculative = json.dumps({"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3})
+    environ = client_environment(hub, tmp_path / "unused")
+    del environ["HF_HUB_CACHE"]  # the cache follows HF_HOME, as in every huggingface_hub tool
+    environ["HF_HOME"] = str(tmp_path / "hf-home")
     result = subprocess.run(
         [str(APHRODITE), "serve", TARGET, "--speculative-config", speculative, "--check-config"],
-        env=client_environment(hub, tmp_path / "cli-cache"), capture_output=True, text=True, timeout=120,
+        env=environ, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "Configuration is valid." in result.stdout
-    snapshots = list((tmp_path / "cli-cache").glob("models--*/snapshots/*"))
+    snapshots = list((tmp_path / "hf-home" / "hub").glob("models--*/snapshots/*"))
     assert len(snapshots) == 2
     assert [path.name for folder in snapshots for path in folder.iterdir() if path.suffix == ".safetensors"] == []
     assert _full_weight_gets(hub) == []
@@ -317,3 +320,20 @@ def test_a_tokenizer_with_repository_code_needs_trust_remote_code(hub: FakeHub, 
     assert info.value.field == "trust_remote_code" and "--trust-remote-code" in info.value.fix
     assert not (resolve_model_path(TARGET) / "tokenization_tiny.py").exists()
     assert (resolve_model_path(TARGET, files=FileSet(tokenizer=True, code=True)) / "tokenization_tiny.py").is_file()
+
+
+def test_a_tokenizer_named_by_id_replaces_the_models_own(hub: FakeHub, published: Path, target_dir: Path):
+    hub.add_repo("sonar-tests/tokenizer", published, revision="v2")
+    from aphrodite import LLM
+
+    llm = LLM(model=str(target_dir), tokenizer="sonar-tests/tokenizer", tokenizer_revision="v2",
+              dtype="float32", device="cpu")
+    assert llm.get_tokenizer().get_vocab() == LLM(model=str(target_dir), dtype="float32", device="cpu") \
+        .get_tokenizer().get_vocab()
+    assert not list(Path(constants.HF_HUB_CACHE).glob("models--*/snapshots/*/*.safetensors"))
+    manager = get_plugin_manager(load_entry_points=False)
+    for fields, field in (({"tokenizer": "sonar-tests/missing"}, "tokenizer"),
+                          ({"tokenizer": "sonar-tests/tokenizer", "tokenizer_revision": "v9"}, "tokenizer_revision")):
+        with pytest.raises(ConfigError) as info:
+            validate_config({"model": str(target_dir), **fields}, manager)
+        assert info.value.field == field
