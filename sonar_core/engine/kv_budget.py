@@ -4,7 +4,8 @@ Besides the KV cache and the weights, a step at full batch holds memory that gro
 ``max_num_seqs``: the float32 logits of every verified position (``max_num_seqs`` requests times
 ``num_speculative_tokens + 1`` positions times the vocabulary) and, with probabilistic drafting, the
 draft probabilities kept for rejection sampling (``max_num_seqs x num_speculative_tokens x
-vocabulary``). The plan takes that working memory off the device budget on CUDA and checks it
+vocabulary``) and, in models with linear-attention layers, every request's recurrent state with its
+per-draft-position copies (:mod:`sonar_core.kv.state`). The plan takes that working memory off the device budget on CUDA and checks it
 against the memory the machine has free on the CPU, so that lowering ``--max-num-seqs`` is the
 first fix, as the user guide says.
 """
@@ -38,24 +39,33 @@ class WorkingMemory:
 
     logits_bytes: int
     draft_probs_bytes: int
+    recurrent_state_bytes: int = 0
 
     @classmethod
-    def of(cls, config: EngineConfig, vocab_size: int, num_speculative_tokens: int, draft_probs: bool) -> WorkingMemory:
+    def of(
+        cls,
+        config: EngineConfig,
+        vocab_size: int,
+        num_speculative_tokens: int,
+        draft_probs: bool,
+        recurrent_state_bytes: int = 0,
+    ) -> WorkingMemory:
         rows = config.max_num_seqs * (num_speculative_tokens + 1)
         probs = config.max_num_seqs * num_speculative_tokens * vocab_size * 4 if draft_probs else 0
-        return cls(logits_bytes=rows * vocab_size * 4, draft_probs_bytes=probs)
+        return cls(rows * vocab_size * 4, probs, recurrent_state_bytes)
 
     @property
     def total(self) -> int:
-        return self.logits_bytes + self.draft_probs_bytes
+        return self.logits_bytes + self.draft_probs_bytes + self.recurrent_state_bytes
 
     def describe(self, config: EngineConfig) -> str:
-        probs = (
-            f", of which {self.draft_probs_bytes / GIB:.2f} GiB keeps draft probabilities (probabilistic drafting)"
-            if self.draft_probs_bytes
-            else ""
-        )
-        return f"{self.total / GIB:.2f} GiB of working memory for max_num_seqs={config.max_num_seqs}{probs}"
+        parts = []
+        if self.draft_probs_bytes:
+            parts.append(f"{self.draft_probs_bytes / GIB:.2f} GiB keeps draft probabilities (probabilistic drafting)")
+        if self.recurrent_state_bytes:
+            parts.append(f"{self.recurrent_state_bytes / GIB:.2f} GiB holds the linear-attention states")
+        of_which = f", of which {' and '.join(parts)}" if parts else ""
+        return f"{self.total / GIB:.2f} GiB of working memory for max_num_seqs={config.max_num_seqs}{of_which}"
 
 
 def bytes_per_block(specs: list[KVLayerSpec], block_size: int, dtype: torch.dtype) -> int:

@@ -24,7 +24,7 @@ from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.engine.verifier import Verifier
 from sonar_core.hub import FileSet
-from sonar_core.kv import allocate_kv_cache
+from sonar_core.kv import RecurrentStateCache, allocate_kv_cache
 from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.loader import LoadedModel, load_model, load_tokenizer
@@ -99,11 +99,17 @@ class LLMEngine:
             plan = build_speculator(speculative, context, plugin_manager)
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
+        state_specs = self.model.state_specs()
+        # A verification step keeps the state after each of its last len(drafts) + 1 tokens.
+        state_positions = plan.num_speculative_tokens + 1 if plan and state_specs else 0
         working = WorkingMemory.of(
             config,
             self.model.shared_modules().vocab_size,
             plan.num_speculative_tokens if plan else 0,
             draft_probs=bool(plan and plan.capabilities.returns_draft_probs),
+            recurrent_state_bytes=RecurrentStateCache.memory_bytes(
+                state_specs, config.max_num_seqs, state_positions, self.dtype
+            ),
         )
         num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len, working)
         caches = allocate_kv_cache(target_specs + proposer_specs, num_blocks, config.block_size, self.dtype,
@@ -113,6 +119,11 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, token_budget, on_preempt=self._on_preempt
         )
         capabilities = plan.capabilities if plan else ProposerCapabilities()
+        self.state_cache = (
+            RecurrentStateCache(state_specs, config.max_num_seqs, state_positions, self.dtype, self.device)
+            if state_specs
+            else None
+        )
         self.runner = ModelRunner(
             self.model,
             caches[: len(target_specs)],
@@ -120,6 +131,7 @@ class LLMEngine:
             self.device,
             capture=self._hidden_capture(capabilities, token_budget),
             keep_final_hidden=capabilities.target_final_hidden,
+            state_cache=self.state_cache,
         )
         self.speculator: Speculator | None = None
         if plan is not None:
@@ -260,6 +272,7 @@ class LLMEngine:
                 item.seq.metrics.first_scheduled_time = now
         run = self.runner.execute(sched)
         result = self.verifier(run, sched.scheduled)
+        self.runner.commit_states(sched, result.num_accepted)
         verified = time.monotonic()
         updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
         proposing = time.monotonic()
@@ -381,6 +394,8 @@ class LLMEngine:
     # -------------------------------------------------------------------------------- lifecycle
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        if self.state_cache is not None:
+            self.state_cache.release(seq.request_id)
         if self.speculator is not None:
             seq.error = self.speculator.release(seq)
             if seq.error is not None:
@@ -388,6 +403,8 @@ class LLMEngine:
 
     def _on_preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        if self.state_cache is not None:  # recomputed from position 0, so from a zero state
+            self.state_cache.release(seq.request_id)
         if self.speculator is not None:
             self.speculator.release(seq)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from sonar_core.engine.scheduler import SchedulerOutput
+from sonar_core.kv import RecurrentStateCache, StateBatch
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.base import CausalLM
 from sonar_core.models.hidden_capture import HiddenStateCapture
@@ -35,6 +36,10 @@ class ModelRunner:
     When the proposer reads target states, the forward writes the requested residual-stream
     states into one persistent buffer (``capture``), and the final normed states are kept; both
     cover every token of the step, prefill chunks included.
+
+    Models with linear-attention layers get each row's recurrent-state slot (``state_cache``);
+    a row with drafts keeps the states after each of its uncommitted tokens, and
+    :meth:`commit_states` makes the accepted one the request's state once verification is done.
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class ModelRunner:
         device: torch.device,
         capture: HiddenStateCapture | None = None,
         keep_final_hidden: bool = False,
+        state_cache: RecurrentStateCache | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -52,6 +58,7 @@ class ModelRunner:
         self.device = device
         self.capture = capture
         self.keep_final_hidden = keep_final_hidden
+        self.state_cache = state_cache
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunOutput:
@@ -82,11 +89,35 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.block_size, self.device
         )
+        if self.state_cache is not None:
+            metadata.state = self._state_batch(sched, start_positions)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, metadata.positions, self.kv_caches, metadata, capture=self.capture)
         index = torch.tensor(sample_index, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return ModelRunOutput(logits, logits_rows, query_rows, start_positions, self._hidden(hidden, len(input_ids)))
+
+    def _state_batch(self, sched: SchedulerOutput, start_positions: list[int]) -> StateBatch:
+        cache = self.state_cache
+        assert cache is not None
+        return StateBatch(
+            cache=cache,
+            slots=[cache.acquire(item.seq.request_id) for item in sched.scheduled],
+            has_initial_state=[start > 0 for start in start_positions],
+            keep_positions=[len(item.draft_token_ids) + 1 if item.draft_token_ids else 0 for item in sched.scheduled],
+        )
+
+    def commit_states(self, sched: SchedulerOutput, num_accepted: list[int]) -> None:
+        """For every request that verified drafts this step, make the recurrent state after its
+        last accepted token (scratch position ``num_accepted``) its committed state."""
+        if self.state_cache is None:
+            return
+        verified = [
+            (self.state_cache.acquire(item.seq.request_id), accepted)
+            for item, accepted in zip(sched.scheduled, num_accepted, strict=True)
+            if item.draft_token_ids
+        ]
+        self.state_cache.commit([slot for slot, _ in verified], [accepted for _, accepted in verified])
 
     def _hidden(self, final: torch.Tensor, num_tokens: int) -> TargetHiddenStates | None:
         if self.capture is None and not self.keep_final_hidden:

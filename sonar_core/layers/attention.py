@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sonar_core.kv import KVCache
+from sonar_core.kv import KVCache, StateBatch
 
 
 @dataclass
@@ -52,6 +52,9 @@ class AttentionMetadata:
     # False: the new tokens of a sequence also attend to all new tokens of the same sequence
     # (non-causal block drafting). Earlier context is always visible.
     causal: bool = True
+    # The rows' recurrent-state slots, for models with linear-attention layers (None otherwise);
+    # the model runner sets it after build().
+    state: StateBatch | None = None
 
     # ---- derived once per step, shared by all layers ------------------------------------------
     num_seqs: int = 0

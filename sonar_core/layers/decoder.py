@@ -1,6 +1,7 @@
 """The pre-norm decoder layer shared by the Llama, Qwen2 and Qwen3 families (and by draft heads).
 
-The families differ only in switches of :class:`DecoderLayerConfig` (biases, per-head q/k norms).
+The families differ only in switches of :class:`DecoderLayerConfig` (biases, per-head q/k norms;
+Qwen3-Next's full-attention layers add an output gate and zero-centred q/k norms).
 Projections that read the same input are fused into one matmul (q/k/v into ``qkv_proj``, gate/up
 into ``gate_up_proj``): at batch 1 on a CPU a step is a chain of small matmuls whose fixed cost
 dominates, so fewer, larger ones are faster. :func:`fused_projections` tells the weight loader how
@@ -18,7 +19,7 @@ from torch import nn
 from sonar_core.kv import KVCache
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.linear import Linear
-from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -41,6 +42,11 @@ class DecoderLayerConfig:
     hidden_act: str = "silu"
     # Sliding-window layers (Qwen2/Qwen3 layer_types): keys this many positions behind are masked.
     sliding_window: int | None = None
+    # Qwen3-Next: q_proj also yields a gate per query head (per head, head_dim query rows then
+    # head_dim gate rows); the attention output is multiplied by sigmoid(gate) before o_proj.
+    attn_output_gate: bool = False
+    # Qwen3-Next: the q/k norms scale by 1 + weight (ZeroCentredRMSNorm).
+    zero_centred_qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -51,7 +57,7 @@ class DecoderLayerConfig:
 
 def fused_projections(config: DecoderLayerConfig) -> dict[str, tuple[str, int, int]]:
     """Checkpoint module name -> (fused module name, first row, end row) inside a decoder layer."""
-    q_rows = config.num_heads * config.head_dim
+    q_rows = config.num_heads * config.head_dim * (2 if config.attn_output_gate else 1)
     kv_rows = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     return {
@@ -64,7 +70,8 @@ def fused_projections(config: DecoderLayerConfig) -> dict[str, tuple[str, int, i
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection, optional per-head q/k norms, RoPE, paged attention, output projection.
+    """Fused q/k/v projection, optional per-head q/k norms, RoPE, paged attention, optional output
+    gate, output projection.
 
     ``input_size`` (default: the hidden size) is the width q/k/v read; a draft layer that attends
     over a concatenation (EAGLE-3's first layer reads embedding and hidden state side by side)
@@ -77,13 +84,17 @@ class SelfAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.qk_heads = config.num_heads + config.num_kv_heads
-        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.output_gate = config.attn_output_gate
+        self.q_rows = config.num_heads * config.head_dim * (2 if self.output_gate else 1)
+        self.kv_rows = config.num_kv_heads * config.head_dim
+        qkv_rows = self.q_rows + 2 * self.kv_rows
         self.qkv_proj = Linear(input_size or config.hidden_size, qkv_rows, bias=config.qkv_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            norm = ZeroCentredRMSNorm if config.zero_centred_qk_norm else RMSNorm
+            self.q_norm = norm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(config.head_dim, config.rms_norm_eps)
         self.attn = PagedAttention(
             config.num_heads, config.num_kv_heads, config.head_dim, sliding_window=config.sliding_window
         )
@@ -96,31 +107,41 @@ class SelfAttention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self._project(hidden, cos, sin)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+        q, k, v, gate = self._project(hidden, cos, sin)
+        out = self.attn(q, k, v, kv_cache, metadata)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
+        return self.o_proj(out)
 
     def store_context(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
         """Write the keys and values of ``hidden`` at ``slot_mapping`` without attending: the context
         of a block drafter, which later queries attend to (DFlash, DSpark)."""
-        _, k, v = self._project(hidden, cos, sin)
+        _, k, v, _ = self._project(hidden, cos, sin)
         self.attn.store(k, v, kv_cache, slot_mapping)
 
     def _project(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated (and, with qk_norm, normed) queries and keys, and values, per head."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rotated (and, with qk_norm, normed) queries and keys, values, per head, and the output
+        gate's pre-activation ``[T, num_heads, head_dim]`` (None without an output gate)."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        qk_width = self.qk_heads * self.head_dim
+        q_rows, kv_rows = self.q_rows, self.kv_rows
+        gate = None
         # q and k heads side by side: one RoPE application rotates both.
-        qk = qkv[:, :qk_width].view(tokens, self.qk_heads, self.head_dim)
-        v = qkv[:, qk_width:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.output_gate:
+            q, gate = qkv[:, :q_rows].view(tokens, self.num_heads, 2, self.head_dim).unbind(2)
+            k = qkv[:, q_rows : q_rows + kv_rows].view(tokens, self.num_kv_heads, self.head_dim)
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : q_rows + kv_rows].view(tokens, self.qk_heads, self.head_dim)
+        v = qkv[:, q_rows + kv_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = apply_rotary(qk, cos, sin)
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v, gate
 
 
 class GatedMLP(nn.Module):

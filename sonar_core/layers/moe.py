@@ -1,6 +1,8 @@
-"""Mixture of experts with shared experts and DeepSeek-V3's group-limited routing.
+"""Mixture of experts with shared experts: DeepSeek-V3's group-limited routing and the softmax
+routing of the Qwen MoE families (Qwen3-Next).
 
-Routing (in float32, whatever the model's dtype, as the reference computes it):
+Routing (in float32, whatever the model's dtype, as the DeepSeek reference computes it), with
+``scoring_func="sigmoid"`` (DeepSeek-V3):
 
 1. ``scores = sigmoid(gate(x))``, one per routed expert;
 2. selection only: ``choice = scores + e_score_correction_bias``; experts are split into ``n_group``
@@ -9,7 +11,14 @@ Routing (in float32, whatever the model's dtype, as the reference computes it):
 3. the weights are the picked experts' *uncorrected* ``scores``, normalised to sum 1 when
    ``norm_topk_prob``, then multiplied by ``routed_scaling_factor``.
 
-``y = shared_experts(x) + sum_e weight_e * expert_e(x)``.
+With ``scoring_func="softmax"`` (Qwen) the scores are ``softmax(gate(x))`` over all experts, the
+``num_experts_per_tok`` best are picked (no correction bias, no groups) and weighted by their
+scores, normalised when ``norm_topk_prob``. Qwen's reference forms the router logits in the
+model's dtype; here they are float32 as well, so a bf16 token whose best experts nearly tie may
+pick another one than transformers does.
+
+``y = shared(x) + sum_e weight_e * expert_e(x)``, where ``shared`` is DeepSeek's ungated
+``shared_experts`` block or Qwen's ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Dispatch runs only the experts that received tokens: the (token, expert) pairs are sorted by
 expert once, each hit expert multiplies the rows of its tokens in one batch, and the pairs' outputs
@@ -19,7 +28,7 @@ small matmuls, with weights prepacked like every other projection.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar_core.layers.decoder import DecoderLayerConfig, GatedMLP
+from sonar_core.layers.linear import Linear
+
+SCORING_FUNCS = ("sigmoid", "softmax")
 
 
 @dataclass(frozen=True)
@@ -44,8 +56,16 @@ class MoEConfig:
     norm_topk_prob: bool
     routed_scaling_factor: float
     hidden_act: str = "silu"
+    scoring_func: str = "sigmoid"  # see the module docstring; "softmax" has no correction bias
+    # Qwen's gated shared expert (``shared_expert`` and ``shared_expert_gate``) of this width; 0:
+    # none. DeepSeek's ungated ``shared_experts`` come from num_shared_experts instead.
+    gated_shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"MoE: scoring_func {self.scoring_func!r} is not supported (supported: {', '.join(SCORING_FUNCS)})"
+            )
         if self.num_experts <= 0 or self.n_group <= 0 or self.num_experts % self.n_group:
             raise ValueError(
                 f"MoE: n_routed_experts ({self.num_experts}) must be a positive multiple of n_group ({self.n_group})"
@@ -87,6 +107,25 @@ class MoEConfig:
             hidden_act=hf_config.hidden_act,
         )
 
+    @classmethod
+    def from_qwen_config(cls, hf_config: Any) -> MoEConfig:
+        """Read a Qwen-MoE-style config (``num_experts``, ``shared_expert_intermediate_size``):
+        softmax routing over all experts and one gated shared expert."""
+        return cls(
+            hidden_size=int(hf_config.hidden_size),
+            moe_intermediate_size=int(hf_config.moe_intermediate_size),
+            num_experts=int(hf_config.num_experts),
+            num_experts_per_tok=int(hf_config.num_experts_per_tok),
+            num_shared_experts=0,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=bool(hf_config.norm_topk_prob),
+            routed_scaling_factor=1.0,
+            hidden_act=hf_config.hidden_act,
+            scoring_func="softmax",
+            gated_shared_expert_size=int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0),
+        )
+
 
 def gated_mlp(hidden_size: int, intermediate_size: int, hidden_act: str) -> GatedMLP:
     """A ``down(act(gate(x)) * up(x))`` block of the given widths (GatedMLP reads only the MLP
@@ -119,11 +158,36 @@ def moe_fused_projections(config: MoEConfig, prefix: str = "mlp.") -> dict[str, 
     if config.num_shared_experts:
         shared = config.moe_intermediate_size * config.num_shared_experts
         fused.update(mlp_fused_projections(f"{prefix}shared_experts.", shared))
+    if config.gated_shared_expert_size:
+        fused.update(mlp_fused_projections(f"{prefix}shared_expert.", config.gated_shared_expert_size))
     return fused
 
 
+def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with stacked experts split into per-expert ones.
+
+    transformers >= 5 keeps a layer's experts as two 3-D tensors, ``experts.gate_up_proj``
+    ``[E, 2 * inter, hidden]`` (gate rows first) and ``experts.down_proj`` ``[E, hidden, inter]``,
+    and writes them that way with ``save_pretrained(save_original_format=False)``; Hub checkpoints
+    (and the default ``save_pretrained``) store ``experts.{e}.{gate,up,down}_proj.weight``. This
+    turns the first layout into the second, which :func:`moe_fused_projections` maps.
+    """
+    for name, tensor in weights:
+        module, _, leaf = name.rpartition(".")
+        if module.endswith("experts") and leaf in ("gate_up_proj", "down_proj") and tensor.dim() == 3:
+            for expert, rows in enumerate(tensor.unbind(0)):
+                if leaf == "down_proj":
+                    yield f"{module}.{expert}.down_proj.weight", rows
+                else:
+                    gate, up = rows.chunk(2)
+                    yield f"{module}.{expert}.gate_proj.weight", gate
+                    yield f"{module}.{expert}.up_proj.weight", up
+        else:
+            yield name, tensor
+
+
 class TopkRouter(nn.Module):
-    """DeepSeek-V3's router (see the module docstring). Its weight and correction bias stay float32
+    """The router (see the module docstring). Its weight and DeepSeek's correction bias stay float32
     when the model is cast to a lower precision: expert choice is discrete, and a bias rounded to
     bf16 picks different experts than the model was trained with."""
 
@@ -131,7 +195,8 @@ class TopkRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+        if config.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopkRouter:
         # Follow device moves, ignore dtype casts.
@@ -145,7 +210,13 @@ class TopkRouter(nn.Module):
         """``x`` ``[T, hidden]`` -> ``(weights, expert ids)``, each ``[T, num_experts_per_tok]``
         (weights float32)."""
         config = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        if config.scoring_func == "softmax":
+            weights, ids = logits.softmax(dim=-1).topk(config.num_experts_per_tok, dim=-1)
+            if config.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if config.topk_group < config.n_group:
             grouped = choice.view(-1, config.n_group, config.num_experts // config.n_group)
@@ -162,7 +233,8 @@ class TopkRouter(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts plus shared experts; the names follow the checkpoint (``gate``, ``experts.{e}``,
-    ``shared_experts``) with gate/up fused per expert (:func:`moe_fused_projections`)."""
+    ``shared_experts`` or ``shared_expert`` and ``shared_expert_gate``) with gate/up fused per expert
+    (:func:`moe_fused_projections`)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -179,6 +251,11 @@ class MoE(nn.Module):
             if config.num_shared_experts
             else None
         )
+        if config.gated_shared_expert_size:
+            self.shared_expert = gated_mlp(
+                config.hidden_size, config.gated_shared_expert_size, config.hidden_act
+            )
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> ``[T, hidden]``."""
@@ -200,4 +277,6 @@ class MoE(nn.Module):
         routed = weighted.sum(dim=1).to(x.dtype)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
+        if self.config.gated_shared_expert_size:
+            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed

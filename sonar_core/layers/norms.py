@@ -1,4 +1,5 @@
-"""RMS normalisation as the Llama/Qwen families define it."""
+"""RMS normalisation as the Llama/Qwen families define it, and the zero-centred and gated variants
+of Qwen3-Next."""
 
 from __future__ import annotations
 
@@ -30,3 +31,28 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self._shape[0]}, eps={self.eps}"
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` (Qwen3-Next): the weight is stored as an offset
+    from 1 and starts at zero.
+
+    Unlike :class:`RMSNorm`, the scale is applied in float32 and the result cast once, which is the
+    order the reference computes it in.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), self._shape, None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """:class:`RMSNorm` of ``x`` times ``silu(gate)`` (the output norm of Qwen3-Next's linear
+    attention): the normed value is rounded to the input dtype and scaled, the gate multiplies in
+    float32 and the product is cast once, as the reference does."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)

@@ -3,6 +3,12 @@ frequency rules.
 
 The cos/sin tables are computed once per forward from the step's positions and shared by every
 layer, so the per-layer cost is three element-wise ops on q and k together.
+
+Partial rotary embeddings (``partial_rotary_factor < 1``) come in two kinds, as transformers defines
+them. ``default`` rotates only the first ``int(head_dim * factor)`` dimensions of each head, with
+frequencies spread over that width (Qwen3-Next): the tables are that narrow and
+:func:`apply_rotary` passes the remaining dimensions through. ``proportional`` (Gemma 4) keeps
+full-width tables whose later frequencies are zero.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # proportional only (Gemma 4's full-attention layers): the share of each head that rotates.
+    # default and proportional only: the share of each head that rotates (see the module docstring).
     partial_rotary_factor: float = 1.0
 
     @classmethod
@@ -44,6 +50,7 @@ class RopeConfig:
         if params is None:
             params = dict(getattr(hf_config, "rope_scaling", None) or {})
             params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            params.setdefault("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
         return cls.from_parameters(params, head_dim, getattr(hf_config, "max_position_embeddings", 8192))
 
     @classmethod
@@ -56,10 +63,10 @@ class RopeConfig:
                 f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
         partial = float(params.get("partial_rotary_factor", 1.0))
-        if partial != 1.0 and rope_type != "proportional":
+        if partial != 1.0 and rope_type not in ("default", "proportional"):
             raise ValueError(
-                f"partial rotary embeddings (partial_rotary_factor != 1) are supported only with rope type "
-                f"'proportional', not {rope_type!r}"
+                f"partial rotary embeddings (partial_rotary_factor != 1) are supported only with rope types "
+                f"'default' and 'proportional', not {rope_type!r}"
             )
         return cls(
             head_dim=head_dim,
@@ -72,9 +79,18 @@ class RopeConfig:
             partial_rotary_factor=partial,
         )
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that the tables cover (the whole head except for
+        partial ``default`` rotation)."""
+        if self.rope_type == "proportional":
+            return self.head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def inv_freq(self) -> torch.Tensor:
-        """The ``head_dim // 2`` inverse frequencies in float32, on the CPU."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+        """The ``rotary_dim // 2`` inverse frequencies in float32, on the CPU."""
+        dim = self.rotary_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         inv_freq = 1.0 / (self.theta**exponents)
         if self.rope_type == "linear":
             return inv_freq / self.factor
@@ -118,7 +134,7 @@ class RotaryEmbedding:
         return inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed_sin)``, each ``[T, 1, head_dim]`` in ``dtype``, for :func:`apply_rotary`.
+        """``(cos, signed_sin)``, each ``[T, 1, rotary_dim]`` in ``dtype``, for :func:`apply_rotary`.
 
         The angles are formed in float32 (positions up to 10^6 lose precision in bf16). The sine
         carries the sign of the rotation (``-sin`` on the first half) so that applying RoPE needs no
@@ -136,6 +152,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """Rotate ``x`` ``[T, heads, head_dim]`` by the tables of :meth:`RotaryEmbedding.cos_sin`.
 
     Equal to ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``: rolling by
-    half the head swaps the halves and the signed sine supplies the minus.
+    half the head swaps the halves and the signed sine supplies the minus. Tables narrower than the
+    head (partial ``default`` rotation) rotate its first ``rotary_dim`` dimensions that way and
+    leave the rest as they are.
     """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
+    return torch.addcmul(x * cos, x.roll(rotary_dim // 2, dims=-1), signed_sin)

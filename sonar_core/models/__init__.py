@@ -1,5 +1,5 @@
-"""Target model implementations (Llama, Qwen2, Qwen3, DeepSeek-V3, Gemma 4), their registry and checkpoint
-loading.
+"""Target model implementations (Llama, Qwen2, Qwen3, DeepSeek-V3, Gemma 4, Qwen3-Next), their registry and
+checkpoint loading.
 
 The names below are imported on first access (PEP 562): the registry's architecture names are
 needed by configuration checks that must not wait for torch, which the model code imports.

@@ -110,4 +110,4 @@ def layer_config_for(hf_config: Any) -> DecoderLayerConfig:
 
 
 # Architectures with layers of their own register themselves when imported.
-from sonar_core.models import deepseek_v3, gemma4  # noqa: E402, F401
+from sonar_core.models import deepseek_v3, gemma4, qwen3_next  # noqa: E402, F401

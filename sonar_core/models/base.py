@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sonar_core.kv import KVCache, KVLayerSpec
+from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.hidden_capture import HiddenStateCapture
 
@@ -111,6 +111,12 @@ class CausalLM(nn.Module, ABC):
         ``kv_caches``): one per decoder layer, except in models whose layers share caches (Gemma 4's
         KV-sharing layers read an earlier layer's cache and have no entry). The engine allocates
         exactly these caches and passes them to :meth:`forward`."""
+
+    def state_specs(self) -> list[StateLayerSpec]:
+        """One spec per recurrent layer (linear attention) that keeps a state per request, in
+        layer order; the engine allocates a :class:`~sonar_core.kv.RecurrentStateCache` of them
+        and hands it to :meth:`forward` through ``attn_metadata.state``. None in most models."""
+        return []
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

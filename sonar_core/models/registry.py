@@ -19,6 +19,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "MiMoForCausalLM": "sonar_core.models.architectures",
     "Qwen3ForCausalLM": "sonar_core.models.architectures",
     "DeepseekV3ForCausalLM": "sonar_core.models.deepseek_v3",
+    "Qwen3NextForCausalLM": "sonar_core.models.qwen3_next",
     "Gemma4ForCausalLM": "sonar_core.models.gemma4",
     "Gemma4ForConditionalGeneration": "sonar_core.models.gemma4",
 }
@@ -41,6 +42,12 @@ def register_architecture(name: str, cls: type[CausalLM]) -> None:
             f"refusing to replace it with {cls.__module__}.{cls.__qualname__}"
         )
     _REGISTRY[name] = cls
+
+
+# Built-in architectures with recurrent (linear-attention) layers: their state lives in a
+# per-request cache beside the paged KV cache (sonar_core.kv.state), which the engine keeps for
+# the target only, so they cannot serve as a generic draft model.
+RECURRENT_ARCHITECTURES: frozenset[str] = frozenset({"Qwen3NextForCausalLM"})
 
 
 def supported_architectures() -> list[str]:

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from sonar_core.models.weights import BIN_INDEX, BIN_SINGLE, SAFETENSORS_INDEX, iter_checkpoint, weight_files
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "deepseek_v3", "gemma4_text", "gemma4")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "deepseek_v3", "gemma4_text", "gemma4", "qwen3_next")
 # Tiny values for family-specific keys whose transformers defaults are full size (256 experts).
 # DeepSeek-V3: MLA ranks and head widths, 8 routed experts in 2 groups, one dense layer first.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -52,6 +52,14 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
         },
+    ),
+    # Qwen3-Next: linear attention with 2 key heads serving 4 value heads, full attention every
+    # second layer (transformers rotates a quarter of each head by default), 4 experts of which 2
+    # per token, and a shared expert of its own width.
+    "qwen3_next": dict(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48,
     ),
 }
 # Multimodal model_types: (the text model_type that gets the tiny shape, as its text_config; the
@@ -267,6 +275,8 @@ def build_tiny_checkpoint(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
+    if config.model_type == "qwen3_next":
+        _vary_qwen3_next_init(model)
     model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
     model.generation_config.pad_token_id = hf_tokenizer.pad_token_id
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -275,6 +285,23 @@ def build_tiny_checkpoint(
     model.save_pretrained(path, **shard_kwargs)
     hf_tokenizer.save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def _vary_qwen3_next_init(model: torch.nn.Module) -> None:
+    """transformers starts Qwen3-Next's zero-centred norms at 0 (scale 1), the gated output norms at
+    1 and ``dt_bias`` at 1, and draws decay rates ``exp(A_log)`` up to 16, which forget the
+    recurrent state within a token. Parity tests need all of them to matter: norm scales around 1,
+    random ``dt_bias``, and decays that keep a state over several tokens."""
+    for name, param in model.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):
+            param.normal_(1.0, 0.1)
+        elif name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
+            param.normal_(0.0, 0.1)
+        elif name.endswith("dt_bias"):
+            param.normal_(-2.0, 0.5)
+        elif name.endswith("A_log"):
+            param.uniform_(0.05, 0.5).log_()
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")

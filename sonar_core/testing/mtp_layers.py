@@ -118,6 +118,52 @@ def build_deepseek_target(out_dir: Path, *, num_layers: int = 2, seed: int = 0, 
     return out_dir
 
 
+QWEN3_NEXT_MTP_OWN = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+
+
+def build_qwen3_next_target(
+    out_dir: Path, *, num_layers: int = 4, seed: int = 0, init_std: float = 0.3, **kwargs
+) -> Path:
+    """A tiny Qwen3-Next checkpoint with one MTP layer under ``mtp.`` (FORMATS.md 5.3).
+
+    transformers never writes MTP layers, so a model of ``num_layers + 1`` layers is saved whose
+    last layer is a full-attention layer with the sparse MoE; it becomes ``mtp.layers.0.*``, next
+    to ``mtp.fc`` [H, 2H], ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and
+    ``mtp.norm`` (zero-centred, like every Qwen3-Next norm). The first ``num_layers`` layers
+    alternate linear and full attention, ending on full attention. The full model stays in
+    ``out_dir.with_name(out_dir.name + "-full")``. ``kwargs`` go to ``build_tiny_checkpoint``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from sonar_core.testing.checkpoints import build_tiny_checkpoint
+
+    out_dir = Path(out_dir)
+    kinds = ["linear_attention", "full_attention"] * num_layers
+    overrides = {"layer_types": [*kinds[:num_layers], "full_attention"], **kwargs.pop("config_overrides", {})}
+    full = build_tiny_checkpoint(
+        out_dir.with_name(out_dir.name + "-full"), "qwen3_next", num_layers=num_layers + 1, seed=seed,
+        init_std=init_std, config_overrides=overrides, **kwargs,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in full.iterdir():
+        if item.is_file() and item.name not in ("model.safetensors", "config.json"):
+            (out_dir / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(full / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{num_layers}."
+    tensors = {(f"mtp.layers.0.{name[len(last):]}" if name.startswith(last) else name): value
+               for name, value in tensors.items()}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * init_std / (2 * hidden) ** 0.5
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((full / "config.json").read_text())
+    config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1, layer_types=overrides["layer_types"][:num_layers])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
 def build_gemma4_assistant(
     target_dir: Path,
     out_dir: Path,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sonar_core.kv import allocate_kv_cache
+from sonar_core.kv import RecurrentStateCache, StateBatch, allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.base import CausalLM
 from sonar_core.models.hidden_capture import HiddenStateCapture
@@ -26,9 +26,21 @@ class PagedRunner:
     Blocks are handed out from a shuffled free list (block 0 included), so block tables are
     scattered and padding entries of a table point at blocks other sequences really use: a mask
     or gather bug shows up as wrong logits instead of hiding behind zeros.
+
+    Models with recurrent layers (``state_specs()``) get a :class:`RecurrentStateCache` of
+    ``num_slots`` requests filled with noise, so a row that should start from zeros but reads its
+    slot shows up too; ``keep_positions`` of a step and :meth:`commit` drive speculative rows.
     """
 
-    def __init__(self, model: CausalLM, num_blocks: int = 128, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int = 128,
+        block_size: int = 4,
+        seed: int = 0,
+        num_slots: int = 8,
+        max_positions: int = 6,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
@@ -38,9 +50,24 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
+        self.states: RecurrentStateCache | None = None
+        state_specs = model.state_specs()
+        if state_specs:
+            self.states = RecurrentStateCache(state_specs, num_slots, max_positions, param.dtype, param.device)
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+            for layer in self.states.layers:
+                for tensor in (layer.conv, layer.recurrent, layer.conv_positions, layer.recurrent_positions):
+                    tensor.copy_(torch.randn(tensor.shape, generator=generator, device=param.device))
+        self.kept: dict[str, int] = {}
 
-    def metadata(self, new_tokens: dict[str, list[int]], causal: bool = True) -> AttentionMetadata:
-        """Grow the sequences by their new tokens (allocating blocks) and build the step's metadata."""
+    def metadata(
+        self, new_tokens: dict[str, list[int]], causal: bool = True, keep_positions: dict[str, int] | None = None
+    ) -> AttentionMetadata:
+        """Grow the sequences by their new tokens (allocating blocks) and build the step's metadata
+        (with its StateBatch for models with recurrent layers: ``keep_positions`` per sequence,
+        default 0)."""
+        keep_positions = keep_positions or {}
+        starts = [self.lens.get(seq, 0) for seq in new_tokens]
         query_lens, seq_lens, tables = [], [], []
         for seq, tokens in new_tokens.items():
             table = self.tables.setdefault(seq, [])
@@ -51,15 +78,36 @@ class PagedRunner:
             query_lens.append(len(tokens))
             seq_lens.append(seq_len)
             tables.append(table)
-        return AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, causal)
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device, causal)
+        if self.states is not None:
+            self.kept = {seq: keep_positions.get(seq, 0) for seq in new_tokens}
+            metadata.state = StateBatch(
+                cache=self.states,
+                slots=[self.states.acquire(seq) for seq in new_tokens],
+                has_initial_state=[start > 0 for start in starts],
+                keep_positions=list(self.kept.values()),
+            )
+        return metadata
+
+    def commit(self, accepted: dict[str, int]) -> None:
+        """After a step whose rows kept positions: commit the state after each sequence's
+        ``accepted`` drafts and drop its rejected tokens from the KV lengths."""
+        assert self.states is not None
+        self.states.commit([self.states.acquire(seq) for seq in accepted], list(accepted.values()))
+        for seq, count in accepted.items():
+            self.lens[seq] -= self.kept[seq] - 1 - count
 
     @torch.inference_mode()
     def step(
-        self, new_tokens: dict[str, list[int]], causal: bool = True, capture_layers: tuple[int, ...] = ()
+        self,
+        new_tokens: dict[str, list[int]],
+        causal: bool = True,
+        capture_layers: tuple[int, ...] = (),
+        keep_positions: dict[str, int] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
         """One flattened forward. Returns float32 logits ``[q, vocab]`` per sequence and, per
         captured residual-stream state (Sonar's index: after k layers), ``[q, H]`` per sequence."""
-        metadata = self.metadata(new_tokens, causal)
+        metadata = self.metadata(new_tokens, causal, keep_positions)
         flat = [t for tokens in new_tokens.values() for t in tokens]
         input_ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
         capture = None

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sonar_core.config import SpeculativeConfig, TargetInfo
 from sonar_core.errors import ConfigError
-from sonar_core.models.registry import supported_architectures
+from sonar_core.models.registry import RECURRENT_ARCHITECTURES, supported_architectures
 from sonar_core.plugins import DraftArchitecture, MethodRegistry, MethodSpec, hookimpl
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             draft_architectures=tuple(
                 DraftArchitecture(name, "Hugging Face causal LM (or GGUF)", "any checkpoint Sonar runs as a target")
                 for name in supported_architectures()
+                if name not in RECURRENT_ARCHITECTURES
             ),
         )
     )

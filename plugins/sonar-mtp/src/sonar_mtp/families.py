@@ -64,6 +64,11 @@ class MtpFamily:
     build_rotary: Callable[[Any], Rotary]
     kv_spec: Callable[[Any], KVLayerSpec]
     fused: Callable[[Any], FusedMap]
+    # The layer's embed_norm, hidden_norm and output_norm, from (hidden_size, rms_norm_eps).
+    build_norm: Callable[[int, float], nn.Module] = lambda hidden, eps: _rms_norm(hidden, eps)
+    # The most MTP layers the layout can hold (Qwen3-Next's fc and norms are shared by its layers,
+    # which Sonar runs for one layer only); None: any number.
+    max_layers: int | None = None
 
     def layer_count(self, config: dict[str, Any]) -> int:
         """MTP layers the config declares (``num_nextn_predict_layers``; 0 when it declares none)."""
@@ -86,6 +91,12 @@ class MtpFamily:
                         return f"layers.{index}.{target}.{own[len(source) + 1 :]}"
                 return f"layers.{index}.block.{own}"
         return None
+
+
+def _rms_norm(hidden: int, eps: float) -> nn.Module:
+    from sonar_core.layers import RMSNorm
+
+    return RMSNorm(hidden, eps)
 
 
 def _qwen2_layer(hf_config: Any) -> DecoderLayerConfig:
@@ -181,7 +192,57 @@ DEEPSEEK_V3 = MtpFamily(
     fused=lambda hf_config: _deepseek(hf_config).fused_projections(),
 )
 
-FAMILIES: dict[str, MtpFamily] = {family.architecture: family for family in (MIMO, DEEPSEEK_V3)}
+def _qwen3_next(hf_config: Any):
+    from sonar_core.models.qwen3_next import Qwen3NextLayerConfig
+
+    return Qwen3NextLayerConfig.from_hf_config(hf_config)
+
+
+def _qwen3_next_block(hf_config: Any, index: int) -> nn.Module:
+    from sonar_core.models.qwen3_next import Qwen3NextAttentionLayer
+
+    config = _qwen3_next(hf_config)
+    return Qwen3NextAttentionLayer(config, moe=config.moe is not None)
+
+
+def _qwen3_next_rotary(hf_config: Any) -> Rotary:
+    from sonar_core.layers.rotary import RotaryEmbedding
+
+    return RotaryEmbedding(_qwen3_next(hf_config).rope)
+
+
+def _zero_centred_norm(hidden: int, eps: float) -> nn.Module:
+    from sonar_core.layers.norms import ZeroCentredRMSNorm
+
+    return ZeroCentredRMSNorm(hidden, eps)
+
+
+QWEN3_NEXT = MtpFamily(
+    architecture="Qwen3NextForCausalLM",
+    layout="Qwen3-Next MTP (mtp.*)",
+    notes="gated full-attention + sparse MoE layer, [embedding, hidden] order, zero-centred norms; the "
+    "target's embedding and LM head",
+    layer_prefix=lambda config, index: "mtp.",
+    claims=lambda config: ["mtp."],
+    renames={
+        "pre_fc_norm_embedding": "embed_norm",
+        "pre_fc_norm_hidden": "hidden_norm",
+        "fc": "proj",
+        "norm": "output_norm",
+        "layers.0": "block",
+    },
+    unused=frozenset(),
+    hidden_first=False,
+    carry_normed=True,
+    build_block=_qwen3_next_block,
+    build_rotary=_qwen3_next_rotary,
+    kv_spec=lambda hf_config: _qwen3_next(hf_config).kv_spec(),
+    fused=lambda hf_config: _qwen3_next(hf_config).fused_projections(),
+    build_norm=_zero_centred_norm,
+    max_layers=1,
+)
+
+FAMILIES: dict[str, MtpFamily] = {family.architecture: family for family in (MIMO, DEEPSEEK_V3, QWEN3_NEXT)}
 
 
 def family_of(architecture: str) -> MtpFamily | None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sonar_core.kv import KVCache
-from sonar_core.layers import AttentionMetadata, RMSNorm
+from sonar_core.layers import AttentionMetadata
 from sonar_core.layers.linear import Linear
 from sonar_core.models.base import TargetModules
 from sonar_core.spec_decode.chain_proposer import ChainDraftHead
@@ -30,11 +30,11 @@ class MtpLayer(nn.Module):
         eps = hf_config.rms_norm_eps
         self.hidden_first = family.hidden_first
         self.carry_normed = family.carry_normed
-        self.embed_norm = RMSNorm(hidden, eps)
-        self.hidden_norm = RMSNorm(hidden, eps)
+        self.embed_norm = family.build_norm(hidden, eps)
+        self.hidden_norm = family.build_norm(hidden, eps)
         self.proj = Linear(2 * hidden, hidden, bias=False)
         self.block = family.build_block(hf_config, index)
-        self.output_norm = RMSNorm(hidden, eps)
+        self.output_norm = family.build_norm(hidden, eps)
 
     def forward(
         self,

@@ -104,12 +104,19 @@ def _mtp_checkpoint(folder: Path, family: MtpFamily, config: dict[str, Any]) -> 
     from sonar_core.models.weights import checkpoint_shapes
     from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 
+    declared = family.layer_count(config)
+    if family.max_layers is not None and declared > family.max_layers:
+        raise ConfigError(
+            "model",
+            f"the target checkpoint {str(folder)!r} declares num_nextn_predict_layers={declared}, and Sonar runs "
+            f"{family.layout} with at most {family.max_layers} layer (every published checkpoint has one)",
+            "use a checkpoint with one MTP layer, or another speculation method",
+        )
     prefixes = family.prefixes(config)
     shapes = checkpoint_shapes(folder)
     missing = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name in shapes)]
     if not prefixes or missing:
         looked_for = missing[0] if missing else family.layer_prefix(config, 0)
-        declared = family.layer_count(config)
         raise ConfigError(
             "model",
             f"the target checkpoint {str(folder)!r} has no MTP weights under {looked_for!r} "
