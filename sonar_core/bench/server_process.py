@@ -24,11 +24,21 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     flags: list[str] = []
     for name, value in engine_args.items():
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if isinstance(value, bool) and not value and _tri_state(name):
+            flags.append("--no-" + name.replace("_", "-"))
+        elif isinstance(value, bool):
             flags += [flag] if value else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def _tri_state(name: str) -> bool:
+    """An engine switch whose unset default lets the engine decide, so false needs ``--no-X``."""
+    from sonar_core.config import EngineConfig
+
+    field = EngineConfig.model_fields.get(name)
+    return field is not None and field.default is None
 
 
 def free_port() -> int:

@@ -81,6 +81,13 @@ class EngineConfig(BaseModel):
     block_size: int = 16
     """Tokens per block of the paged KV cache."""
 
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV cache of full blocks that earlier requests computed for the same leading
+    tokens, so that a shared prompt prefix is prefilled once. Unset: on wherever it is lossless,
+    off with a speculative method that keeps KV layers of its own or reads the target's states at
+    every position (draft models, EAGLE, MTP, block drafters, the hidden-state exporter) and with
+    linear-attention models; true with one of those is an error."""
+
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (0 < x <= 1); what the weights leave of it
     goes to the KV cache. Ignored on CPU."""

@@ -12,7 +12,7 @@ import torch
 
 from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.config import EngineConfig, validate_config
-from sonar_core.engine.block_manager import BlockManager
+from sonar_core.engine.block_manager import BlockManager, resolve_prefix_caching
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.kv_budget import WorkingMemory, plan_kv_blocks
 from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
@@ -100,6 +100,10 @@ class LLMEngine:
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         state_specs = self.model.state_specs()
+        # Before any KV is allocated: an explicit true that would not be lossless is a ConfigError.
+        self.prefix_caching = resolve_prefix_caching(
+            config.enable_prefix_caching, plan.capabilities if plan else None, bool(state_specs)
+        )
         # A verification step keeps the state after each of its last len(drafts) + 1 tokens.
         state_positions = plan.num_speculative_tokens + 1 if plan and state_specs else 0
         working = WorkingMemory.of(
@@ -114,7 +118,7 @@ class LLMEngine:
         num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len, working)
         caches = allocate_kv_cache(target_specs + proposer_specs, num_blocks, config.block_size, self.dtype,
                                    self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, token_budget, on_preempt=self._on_preempt
         )
@@ -152,8 +156,10 @@ class LLMEngine:
         self.num_preemptions = 0
         self._ids = itertools.count()
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens%s",
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens "
+            "prefix_caching=%s%s",
             self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
+            "on" if self.prefix_caching else "off",
             f" speculative={config.speculative_config.method}" if plan else "",
         )
 
@@ -275,6 +281,7 @@ class LLMEngine:
         self.runner.commit_states(sched, result.num_accepted)
         verified = time.monotonic()
         updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
+        self.scheduler.cache_full_blocks(sched)
         proposing = time.monotonic()
         num_drafted = self._propose(sched, run, result.num_accepted)
         self.timing.target_s += verified - now
@@ -411,3 +418,13 @@ class LLMEngine:
     # -------------------------------------------------------------------------------- inspection
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of the requests admitted so far (a preempted one counts again when it returns)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of :attr:`prefix_cache_queries`, the tokens whose KV came from the prefix cache."""
+        return self.scheduler.prefix_cache_hits

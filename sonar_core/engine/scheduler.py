@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sonar_core.engine.block_manager import BlockManager
+from sonar_core.engine.block_manager import BlockManager, extend_block_hashes
 from sonar_core.engine.sequence import Sequence, SequenceStatus
 
 
@@ -46,6 +46,12 @@ class Scheduler:
     while the budget, ``max_num_seqs`` and free KV blocks allow. When blocks run out, the most
     recently arrived running request is preempted: its blocks are freed and it goes back to the
     front of the queue to be recomputed later. A request is never dropped.
+
+    With prefix caching (``block_manager.enable_caching``) a waiting request joins with the cached
+    blocks of its leading full blocks and starts computing after them (it always computes at least
+    its newest token, so that the step samples); :meth:`cache_full_blocks` registers the blocks that a step's
+    committed tokens filled. ``prefix_cache_queries`` counts the tokens of admitted requests and
+    ``prefix_cache_hits`` those found cached (as vLLM's ``prefix_cache_queries`` / ``_hits``).
     """
 
     def __init__(
@@ -61,6 +67,8 @@ class Scheduler:
         self._on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,6 +84,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
+        seq.num_cached_blocks = 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -98,18 +107,74 @@ class Scheduler:
             index += 1
         if out.preempted:
             return out
-        # Waiting requests join while there is room.
+        # Waiting requests join while there is room, starting after their cached prefix.
+        manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._cached_prefix(seq)
+            seq.num_computed_tokens = len(cached) * manager.block_size
             item = self._fit(seq, budget)
-            if not self.block_manager.grow(seq.block_table, self._tokens_after(item)):
+            if not manager.can_take(cached, seq.block_table, self._tokens_after(item)):
+                seq.num_computed_tokens = 0
                 break
+            manager.take(seq.block_table, cached)
+            if not manager.grow(seq.block_table, self._tokens_after(item)):
+                raise AssertionError("the KV blocks counted free for a request were not there")
+            seq.num_cached_blocks = len(cached)
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if manager.enable_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(item)
             budget -= item.num_query_tokens
+        if manager.enable_caching:
+            for item in out.scheduled:
+                start = item.seq.num_computed_tokens
+                manager.check_writable(item.seq.block_table, start, start + item.num_query_tokens)
         return out
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting request may start after: its leading full blocks, short of
+        the block holding its newest token (which the step must compute to sample)."""
+        manager = self.block_manager
+        if not manager.enable_caching:
+            return []
+        if seq.block_table or seq.num_computed_tokens:
+            raise AssertionError(f"waiting request {seq.request_id} holds KV blocks")
+        num_full = (seq.num_tokens - 1) // manager.block_size
+        self._hash_blocks(seq, num_full)
+        return manager.cached_blocks(seq.block_hashes[:num_full])
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Make ``seq.block_hashes`` cover (at least) its first ``num_blocks`` full blocks."""
+        block_size = self.block_manager.block_size
+        done = len(seq.block_hashes)
+        if done < num_blocks:
+            extend_block_hashes(seq.block_hashes, seq.token_slice(done * block_size, num_blocks * block_size), block_size)
+
+    def cache_full_blocks(self, sched: SchedulerOutput) -> None:
+        """After a step's requests were updated: register in the prefix cache every block that is
+        now full of committed tokens (``num_computed_tokens`` after verification, and only tokens
+        that are part of the request, so never a rejected draft's or a token past a stop)."""
+        manager = self.block_manager
+        if not manager.enable_caching:
+            return
+        block_size = manager.block_size
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            committed = min(seq.num_computed_tokens, seq.num_tokens)
+            num_full = min(committed // block_size, len(seq.block_table))
+            if num_full <= seq.num_cached_blocks:
+                continue
+            self._hash_blocks(seq, num_full)
+            for index in range(seq.num_cached_blocks, num_full):
+                manager.register(seq.block_table[index], seq.block_hashes[index])
+            seq.num_cached_blocks = num_full
 
     @staticmethod
     def _tokens_after(item: ScheduledSequence) -> int:
@@ -129,6 +194,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
         seq.clear_drafts()
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -52,6 +52,13 @@ class Sequence:
     error: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prefix caching: the chained content hashes of the request's leading full blocks (computed
+    # once, extended as it grows); how many leading blocks of block_table are immutable (taken from
+    # the cache, or full of committed tokens and registered, unless another block already caches
+    # that content); how many tokens its latest admission found cached.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +67,14 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        outputs = self.output_token_ids[max(start - len(prompt), 0) : end - len(prompt)]
+        return prompt[start:] + outputs if start < len(prompt) else outputs
 
     @property
     def is_finished(self) -> bool:

@@ -47,8 +47,9 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="Target model: a folder with config.json, a .gguf file, or a Hugging Face repository id in "
-        "the local cache. Omitted: the embedded default model (SmolLM2-135M-Instruct).",
+        help="Target model: a folder with config.json, a .gguf file, or a Hugging Face repository id (from "
+        "the local Hugging Face cache, else downloaded; --revision picks a branch, tag or commit). Omitted: the "
+        "embedded default model (SmolLM2-135M-Instruct).",
     )
 
 
@@ -61,7 +62,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = [engine_flag(name), *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else [])]
         help_text = " ".join((info.description or "").split())
         kind = _scalar_type(info.annotation)
-        if kind is bool:
+        if kind is bool and info.default is None:  # on, off or decided by the engine: --X / --no-X
+            group.add_argument(
+                *flags, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
+        elif kind is bool:
             group.add_argument(*flags, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
         else:
             default = f" (default: {info.default})" if info.default is not None else ""

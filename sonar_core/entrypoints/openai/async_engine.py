@@ -238,6 +238,9 @@ class AsyncEngine:
             num_running=self._engine.num_running,
             num_waiting=self._engine.num_waiting,
             kv_cache_usage=self._engine.kv_cache_usage(),
+            # Engines without a prefix cache (test fakes) report none.
+            prefix_cache_queries=getattr(self._engine, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(self._engine, "prefix_cache_hits", 0),
         )
 
     def _apply_commands(self) -> None:

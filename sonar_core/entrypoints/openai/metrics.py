@@ -9,6 +9,8 @@ Prometheus series (all labelled ``model_name``):
 
 - ``aphrodite:num_requests_running`` / ``aphrodite:num_requests_waiting`` (gauges)
 - ``aphrodite:kv_cache_usage_perc`` (gauge, 0..1)
+- ``aphrodite:prefix_cache_queries_total`` / ``aphrodite:prefix_cache_hits_total`` (tokens of
+  admitted requests, and of those the tokens found in the prefix cache)
 - ``aphrodite:prompt_tokens_total`` / ``aphrodite:generation_tokens_total``
 - ``aphrodite:request_success_total`` (label ``finished_reason``: stop, length, abort)
 - ``aphrodite:time_to_first_token_seconds``, ``aphrodite:inter_token_latency_seconds``,
@@ -38,7 +40,7 @@ logger = logging.getLogger("sonar.server")
 LOG_INTERVAL_S = 5.0
 THROUGHPUT_LOG_FORMAT = (
     "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%"
+    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%"
 )
 # Latency buckets in seconds, from sub-millisecond decode steps on a GPU to minutes on a busy CPU.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -56,6 +58,9 @@ class EngineState:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    # Cumulative prefix-cache counts (tokens), as the engine reports them.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class ServerMetrics:
@@ -78,6 +83,12 @@ class ServerMetrics:
         ).labels(model_name)
         self.kv_cache_usage = Gauge(
             "aphrodite:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", labels, registry=reg
+        ).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            "aphrodite:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=reg
+        ).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            "aphrodite:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=reg
         ).labels(model_name)
         self.prompt_tokens = Counter(
             "aphrodite:prompt_tokens", "Prompt tokens prefilled.", labels, registry=reg
@@ -155,6 +166,9 @@ class StatsRecorder:
         self._interval_generation_tokens = 0
         self._last_log_time = clock()
         self._last_interval_active = False
+        # Prefix-cache counts already passed to the counters, and at the last log line.
+        self._prefix_seen = (0, 0)
+        self._prefix_logged = (0, 0)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
         """Record one step's outputs: token counts, first-token and inter-token times, finishes."""
@@ -187,6 +201,10 @@ class StatsRecorder:
     def observe_engine(self, state: EngineState) -> None:
         """Update the gauges and pass on the speculative-decoding counts added since last time."""
         self.metrics.set_engine_state(state)
+        queries, hits = state.prefix_cache_queries, state.prefix_cache_hits
+        self.metrics.prefix_cache_queries.inc(max(queries - self._prefix_seen[0], 0))
+        self.metrics.prefix_cache_hits.inc(max(hits - self._prefix_seen[1], 0))
+        self._prefix_seen = (queries, hits)
         delta = self._spec_logging.follow(self._spec_stats)
         if delta is not None:
             self.metrics.spec_decode.observe(delta)
@@ -203,6 +221,9 @@ class StatsRecorder:
             self._interval_prompt_tokens or self._interval_generation_tokens
             or state.num_running or state.num_waiting
         )
+        queries = state.prefix_cache_queries - self._prefix_logged[0]
+        hits = state.prefix_cache_hits - self._prefix_logged[1]
+        self._prefix_logged = (state.prefix_cache_queries, state.prefix_cache_hits)
         if active or self._last_interval_active:
             logger.info(
                 THROUGHPUT_LOG_FORMAT,
@@ -211,6 +232,7 @@ class StatsRecorder:
                 state.num_running,
                 state.num_waiting,
                 100.0 * state.kv_cache_usage,
+                100.0 * hits / queries if queries > 0 else 0.0,
             )
             self._spec_logging.log()
         self._last_interval_active = active
