@@ -9,35 +9,18 @@ figures, so a noisy row can be told from a slow engine. Linux only (None elsewhe
 
 from __future__ import annotations
 
-import os
 import resource
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+from sonar_core.cpu_usage import busy_cpu_seconds, process_cpu_seconds
+
 T = TypeVar("T")
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as handle:
-            fields = handle.readline().split()
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of a running process (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _own_cpu_seconds(pids: tuple[int, ...]) -> float:
@@ -127,3 +110,20 @@ def quietest(
         if other is None or best_other is None or other < best_other:
             best_value, best_other = value, other
     return best_value, best_other, number
+
+
+@contextmanager
+def competing_load(cores: int) -> Iterator[list[subprocess.Popen]]:
+    """``cores`` processes that each spin one core until the block ends (a stand-in for the other
+    tenants of a shared machine); none for 0. Yields the processes."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(cores)
+    ]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sonar_core.bench.cpu_load import LoadMeter, QuietPolicy, quietest
+from sonar_core.bench.cpu_load import LoadMeter, QuietPolicy, competing_load, quietest
 from sonar_core.bench.figures import row_figures
 from sonar_core.bench.launcher import WorkerError, run_worker, sonar_command
 from sonar_core.bench.peers import PEERS
@@ -42,6 +42,7 @@ class OfflinePlan:
     log_dir: Path | None = None  # keep each worker's output here
     quiet: QuietPolicy | None = None  # None: measure each row once, however busy the machine
     passes: int = 1  # measurements of every row, in alternating order; the fastest is kept
+    competing_load: int = 0  # cores kept busy by spinning processes while each row runs
 
     @property
     def num_runs(self) -> int:
@@ -66,10 +67,13 @@ def run_row(plan: OfflinePlan, row: RowSpec, concurrency: int, progress: Progres
         job = _job(plan, row, concurrency)
 
         def attempt(number: int) -> tuple[RunResult, float | None]:
-            meter = LoadMeter().start()
-            # The bar counts a row's requests once, on its first attempt.
-            result = run_worker(command, job, env, progress.advance if number == 1 else None, log_path)
-            return result, meter.stop()
+            with competing_load(plan.competing_load):
+                meter = LoadMeter().start()
+                # The bar counts a row's requests once, on its first attempt.
+                result = run_worker(command, job, env, progress.advance if number == 1 else None, log_path)
+                # Read before the spinning processes are reaped: their CPU then becomes this
+                # process's children's, which the meter counts as the benchmark's own.
+                return result, meter.stop()
 
         def busy(other: float | None) -> None:
             progress.write(f"{row.label}: other work kept {other:.1f} cores busy; measuring again")

@@ -67,6 +67,8 @@ def prepare(args: argparse.Namespace, peers: list[str]) -> Setup:
         raise ConfigError("request_rate", f"must be positive, got {args.request_rate}", "pass a rate in requests/s, or inf")
     if args.max_tokens < 1:
         raise ConfigError("max_tokens", f"must be at least 1, got {args.max_tokens}", "pass --max-tokens 1 or more")
+    if getattr(args, "competing_load", 0) < 0:
+        raise ConfigError("competing_load", f"must be 0 or more cores, got {args.competing_load}", "pass e.g. --competing-load 1")
     if args.max_other_cpu is not None and args.max_other_cpu < 0:
         raise ConfigError("max_other_cpu", f"must be 0 or more cores, got {args.max_other_cpu}", "pass e.g. --max-other-cpu 0.3")
     if args.passes < 1:
@@ -169,6 +171,7 @@ def bench_offline(args: argparse.Namespace, show_progress: bool = True) -> list[
             log_dir=args.log_dir,
             quiet=setup.quiet,
             passes=args.passes,
+            competing_load=args.competing_load,
         )
 
     return _measure(args, setup, "offline", plan, run_offline, show_progress)

@@ -13,6 +13,7 @@ import torch
 from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.config import EngineConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager, resolve_prefix_caching
+from sonar_core.engine.cpu_threads import ThreadGovernor
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.kv_budget import WorkingMemory, plan_kv_blocks
 from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
@@ -151,6 +152,7 @@ class LLMEngine:
                 target_kv_caches=caches[: len(target_specs)],
             )
         self.verifier = Verifier(self.device)
+        self.thread_governor = ThreadGovernor.for_this_machine() if self.device.type == "cpu" else None
         self.timing = StepTiming()
         self._requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
@@ -272,6 +274,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        if self.thread_governor is not None:
+            self.thread_governor.observe()
         now = time.monotonic()
         for item in sched.scheduled:
             if item.seq.metrics.first_scheduled_time is None:

@@ -50,3 +50,15 @@ def test_busy_attempts_are_repeated_and_the_quietest_kept() -> None:
 
 def test_without_a_policy_each_row_runs_once() -> None:
     assert quietest(None, lambda n: (n, 5.0)) == (1, 5.0, 1)
+
+
+def test_a_competing_load_spins_while_the_block_runs_and_stops_with_it():
+    import time
+
+    from sonar_core.bench.cpu_load import competing_load
+
+    with competing_load(1) as spinners:
+        time.sleep(1.0)
+        assert len(spinners) == 1 and spinners[0].poll() is None
+        assert process_cpu_seconds(spinners[0].pid) > 0.2  # it spins (even on a busy machine)
+    assert all(spinner.poll() is not None for spinner in spinners)

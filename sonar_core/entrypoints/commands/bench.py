@@ -134,6 +134,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "measure a row again (see --max-attempts) when other work went above it; default: measure once.",
     )
     group.add_argument(
+        "--competing-load", type=int, default=0, metavar="CORES",
+        help="Keep CORES cores busy with spinning processes while each offline row runs, to measure how "
+        "the engines degrade on a shared machine (the other-CPU column shows them; default: 0).",
+    )
+    group.add_argument(
         "--max-attempts", type=int, default=3,
         help="Most measurements of one row under --max-other-cpu; the quietest is kept (default: 3).",
     )
