@@ -380,13 +380,25 @@ class LLMEngine:
         return sum(len(item.seq.draft_token_ids) for item in items)
 
     def _output(self, seq: Sequence, delta_ids: list[int], delta_text: str) -> RequestOutput:
-        logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+        """The request's output after this step, at a cost that does not grow with its length.
+
+        A running request's token ids and logprobs are snapshot views of its lists (they only
+        grow, so a view never changes); the finished request's are copied once, into plain lists.
+        """
+        finished = seq.finish_reason is not None
+        wants_logprobs = seq.params.logprobs is not None
+        if finished:
+            token_ids = seq.output_token_ids.copy()
+            logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        else:
+            token_ids = seq.output_token_ids.snapshot()
+            logprobs = seq.output_logprobs_snapshot() if wants_logprobs else None
         completion = CompletionOutput(
             index=0,
             text=seq.detokenizer.text,
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=sum(logprobs) if logprobs is not None else None,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            token_ids=token_ids,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            logprobs=logprobs,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -395,7 +407,7 @@ class LLMEngine:
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[completion],
-            finished=seq.finish_reason is not None,
+            finished=finished,
             metrics=seq.metrics,
             delta_text=delta_text,
             delta_token_ids=list(delta_ids),

@@ -111,7 +111,9 @@ class ProposalRequest:
     request_id: str
     # Every known token of the request: its prompt plus every accepted output token, the newest
     # last. When the request sampled this step, the target has not yet run on the newest token and
-    # the drafts continue after it.
+    # the drafts continue after it. It is the request's own list, not a copy (copying it every
+    # step would cost time quadratic in the output): read it, never modify it, and copy what must
+    # outlive the call.
     token_ids: list[int]
     # Number of tokens at the end of token_ids appended since this request's previous propose
     # call (its whole length on the first call, or after a preemption).
@@ -255,7 +257,8 @@ class Proposer(ABC):
 
     def finish_request(self, request_id: str, token_ids: list[int]) -> None:  # noqa: B027
         """Called when a request ended with a complete output (a stop or its length), just before
-        :meth:`remove_request`, with its prompt and every output token.
+        :meth:`remove_request`, with its prompt and every output token (the request's own list:
+        read-only, as in :class:`ProposalRequest`).
 
         The tokens of a request's last step never reach :meth:`propose` (nothing is drafted after
         the end), so proposers that learn from finished outputs (suffix decoding) take them here.
