@@ -96,8 +96,8 @@ class EngineConfig(BaseModel):
     """KV cache size in GiB. Unset: 2 GiB on CPU; on CUDA, what gpu_memory_utilization leaves."""
 
     tensor_parallel_size: int = 1
-    """Devices the target is split over. This engine runs on one device: only 1 is accepted (the
-    flag parses so that vLLM command lines give a clear error)."""
+    """Ranks the target is split over (one process each: CUDA devices, or shares of the CPU's
+    cores). Attention heads, KV heads and MLP columns split evenly, so the size must divide them."""
 
     pipeline_parallel_size: int = 1
     """Pipeline stages the target's layers are split over. Sonar has no pipeline parallelism: only
@@ -145,12 +145,13 @@ class EngineConfig(BaseModel):
 
     @field_validator("tensor_parallel_size")
     @classmethod
-    def _single_device(cls, value: int) -> int:
-        if value != 1:
+    def _positive_ranks(cls, value: int) -> int:
+        if value < 1:
             raise ConfigError(
                 "tensor_parallel_size",
-                f"this engine runs the model on one device; tensor_parallel_size={value} is not supported",
-                "remove --tensor-parallel-size (tensor_parallel_size in Python) or set it to 1",
+                f"tensor_parallel_size must be at least 1, got {value}",
+                "set --tensor-parallel-size (tensor_parallel_size in Python) to the number of devices to split "
+                "the model over, or remove it (1: one device)",
             )
         return value
 

@@ -22,6 +22,7 @@ from sonar_core.attention_backends import BACKENDS, get_backend
 from sonar_core.config.catalogue import DraftArchitectureEntry, MethodCatalogue, MethodDescription
 from sonar_core.config.engine import EngineConfig
 from sonar_core.config.method_detection import detect_method
+from sonar_core.config.parallel import check_tensor_parallel
 from sonar_core.config.speculative import CORE_FIELDS, FIELD, METHOD_SPECIFIC_FIELDS, SpeculativeConfig
 from sonar_core.config.target import TargetInfo, target_info_for
 from sonar_core.config.validation_errors import config_error_from_validation, unknown_field_fix
@@ -121,6 +122,7 @@ def validate_speculative_config(
 
 def validate_engine_config(config: EngineConfig, target: TargetInfo) -> EngineConfig:
     """The rules of the engine fields that need the target; returns the config with max_model_len set."""
+    check_tensor_parallel(target.hf_config, config.tensor_parallel_size, target.source)
     limit = target.max_position_embeddings
     if config.max_model_len is not None and limit is not None and config.max_model_len > limit:
         raise ConfigError(

@@ -86,18 +86,23 @@ def plan_kv_blocks(
     The budget is ``kv_cache_memory_gb`` when set; otherwise on CUDA the part of
     ``gpu_memory_utilization`` of device memory not used yet, less ``working``; on CPU a fixed
     default, which with ``working`` must fit in the memory the machine has available.
+
+    ``specs`` are one rank's (split KV heads under tensor parallelism). On CUDA the budget is each
+    device's; on CPU the ranks share the machine's memory, so the budget is the engine's, split
+    evenly over them.
     """
     working = working or WorkingMemory(0, 0)
     per_block = bytes_per_block(specs, config.block_size, dtype)
     device = config.torch_device()
+    sharing = config.tensor_parallel_size if device.type == "cpu" else 1
     if config.kv_cache_memory_gb is not None:
-        budget = int(config.kv_cache_memory_gb * GIB)
+        budget = int(config.kv_cache_memory_gb * GIB) // sharing
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         used = torch.cuda.memory_allocated(device) + CUDA_ACTIVATION_RESERVE_BYTES
         budget = int(total * config.gpu_memory_utilization) - used - working.total
     else:
-        budget = int(DEFAULT_CPU_KV_CACHE_GB * GIB)
+        budget = int(DEFAULT_CPU_KV_CACHE_GB * GIB) // sharing
     blocks_per_seq = -(-max_model_len // config.block_size) + 1
     num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
     field = "kv_cache_memory_gb" if device.type != "cuda" else "gpu_memory_utilization"
@@ -111,7 +116,7 @@ def plan_kv_blocks(
             fix=OUT_OF_MEMORY_FIX,
         )
     if device.type == "cpu":
-        _check_cpu_memory(config, num_blocks * per_block, working, field)
+        _check_cpu_memory(config, num_blocks * per_block * sharing, working, field)
     return num_blocks
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from sonar_core.attention_backends import AttentionBackend, get_backend
-from sonar_core.config import EngineConfig, validate_config
+from sonar_core.config import EngineConfig, SpeculativeConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager, resolve_prefix_caching
 from sonar_core.engine.cpu_threads import ThreadGovernor
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
@@ -23,9 +23,10 @@ from sonar_core.engine.sequence import Sequence
 from sonar_core.engine.speculator import ProposeItem, Speculator
 from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
+from sonar_core.engine.tensor_parallel import DRAFT, TARGET, MirroredStateCache, start_tensor_parallel
 from sonar_core.engine.verifier import Verifier
 from sonar_core.hub import FileSet
-from sonar_core.kv import RecurrentStateCache, allocate_kv_cache
+from sonar_core.kv import RecurrentStateCache, StateLayerSpec, allocate_kv_cache
 from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.loader import LoadedModel, load_model, load_tokenizer
@@ -68,8 +69,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         speculative = validated.speculative
         claimed = plugin_manager.target_tensor_claims(speculative.config if speculative else None, validated.target)
-        loaded = load_model(config.model, self.dtype, self.device, claimed_prefixes=claimed,
-                            revision=config.revision, trust_remote_code=config.trust_remote_code)
+        self.workers = start_tensor_parallel(config.tensor_parallel_size, self.device)
+        target_args = dict(model=config.model, dtype=self.dtype, device=self.device, claimed_prefixes=claimed,
+                           revision=config.revision, trust_remote_code=config.trust_remote_code)
+        loaded = self.workers.load_model(TARGET, **target_args) if self.workers else load_model(**target_args)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = load_tokenizer(self._tokenizer_source(config, loaded),
@@ -96,8 +99,10 @@ class LLMEngine:
                 target_model_dir=loaded.model_dir,
                 max_num_batched_tokens=token_budget,
                 max_num_seqs=config.max_num_seqs,
+                draft_workers=self.workers if speculative.config.draft_tensor_parallel_size > 1 else None,
             )
             plan = build_speculator(speculative, context, plugin_manager)
+            self._say_where_the_draft_runs(speculative.config)
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         state_specs = self.model.state_specs()
@@ -119,16 +124,16 @@ class LLMEngine:
         num_blocks = plan_kv_blocks(config, target_specs + proposer_specs, self.dtype, self.max_model_len, working)
         caches = allocate_kv_cache(target_specs + proposer_specs, num_blocks, config.block_size, self.dtype,
                                    self.device)
+        if self.workers is not None:
+            self.workers.allocate_kv(TARGET, target_specs, num_blocks, config.block_size, self.dtype)
+            if DRAFT in self.workers.keys:  # a draft split like the target: its KV is split too
+                self.workers.allocate_kv(DRAFT, proposer_specs, num_blocks, config.block_size, self.dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, token_budget, on_preempt=self._on_preempt
         )
         capabilities = plan.capabilities if plan else ProposerCapabilities()
-        self.state_cache = (
-            RecurrentStateCache(state_specs, config.max_num_seqs, state_positions, self.dtype, self.device)
-            if state_specs
-            else None
-        )
+        self.state_cache = self._state_cache(state_specs, config.max_num_seqs, state_positions)
         self.runner = ModelRunner(
             self.model,
             caches[: len(target_specs)],
@@ -152,7 +157,10 @@ class LLMEngine:
                 target_kv_caches=caches[: len(target_specs)],
             )
         self.verifier = Verifier(self.device)
-        self.thread_governor = ThreadGovernor.for_this_machine() if self.device.type == "cpu" else None
+        # Split over ranks, every rank keeps its fixed share of the cores (start_tensor_parallel).
+        self.thread_governor = (
+            ThreadGovernor.for_this_machine() if self.device.type == "cpu" and self.workers is None else None
+        )
         self.timing = StepTiming()
         self._requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
@@ -164,6 +172,30 @@ class LLMEngine:
             "on" if self.prefix_caching else "off",
             f" speculative={config.speculative_config.method}" if plan else "",
         )
+
+    def _state_cache(self, specs: list[StateLayerSpec], num_slots: int, positions: int) -> RecurrentStateCache | None:
+        """The target's recurrent states (linear-attention layers), kept on every rank when split."""
+        if not specs:
+            return None
+        if self.workers is not None:
+            return MirroredStateCache(self.workers, TARGET, specs, num_slots, positions, self.dtype, self.device)
+        return RecurrentStateCache(specs, num_slots, positions, self.dtype, self.device)
+
+    def _say_where_the_draft_runs(self, speculative: SpeculativeConfig) -> None:
+        """A draft asked to split over the target's ranks that the method keeps whole on the driver."""
+        if self.workers is None or speculative.draft_tensor_parallel_size == 1 or DRAFT in self.workers.keys:
+            return
+        logger.warning(
+            "speculative_config.draft_tensor_parallel_size=%d: method %s runs its draft layers whole on the "
+            "driver rank (they read the full hidden states there); only a separate draft model is split",
+            speculative.draft_tensor_parallel_size, speculative.method,
+        )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent;
+        also runs at interpreter exit."""
+        if self.workers is not None:
+            self.workers.close()
 
     @staticmethod
     def _tokenizer_source(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | Path:

@@ -18,7 +18,7 @@ from torch import nn
 
 from sonar_core.kv import KVCache
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
-from sonar_core.layers.linear import Linear
+from sonar_core.layers.linear import Linear, output_projection
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary
 
@@ -89,7 +89,7 @@ class SelfAttention(nn.Module):
         self.kv_rows = config.num_kv_heads * config.head_dim
         qkv_rows = self.q_rows + 2 * self.kv_rows
         self.qkv_proj = Linear(input_size or config.hidden_size, qkv_rows, bias=config.qkv_bias)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.o_proj = output_projection(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             norm = ZeroCentredRMSNorm if config.zero_centred_qk_norm else RMSNorm
@@ -151,7 +151,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = output_projection(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core.layers.tensor_parallel import TensorParallel
+from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -46,6 +49,34 @@ class Linear(nn.Linear):
         # A moved or cast weight invalidates the packed copy.
         self.packed_weight = None
         return super()._apply(fn, recurse)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over tensor-parallel ranks (attention output,
+    MLP down): each rank multiplies its columns, one all-reduce sums the partial outputs, and the
+    bias (whole on every rank) is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            partial = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        else:
+            partial = F.linear(x, self.weight)
+        out = self.parallel.all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
+
+def output_projection(in_features: int, out_features: int, bias: bool) -> Linear:
+    """The layer's projection back to the residual stream: row-parallel when the model is being
+    built split over ranks (:func:`sonar_core.layers.tensor_parallel.current`), a plain :class:`Linear`
+    otherwise (``in_features`` is this rank's share either way)."""
+    parallel = current_tensor_parallel()
+    if parallel.size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, parallel)
 
 
 def prepack_linears(module: nn.Module) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.hidden_capture import HiddenStateCapture
+from sonar_core.models.sharding import ShardRule
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,13 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the Hugging Face checkpoint; strict (see ``load_named_weights``)."""
+
+    def shard_rules(self) -> tuple[ShardRule, ...]:
+        """How the checkpoint's tensors split over tensor-parallel ranks, for a model built in a
+        :func:`~sonar_core.layers.tensor_parallel.tensor_parallel_scope` (the loader slices each tensor
+        before :meth:`load_weights` sees it). Families that cannot split do not override it;
+        configuration checks refuse them first (:mod:`sonar_core.config.parallel`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split over tensor-parallel ranks")
 
 
 class LayerStackLM(CausalLM):

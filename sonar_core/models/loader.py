@@ -17,10 +17,12 @@ import torch
 
 from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet, HubError
+from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 from sonar_core.model_files import resolve_model_path
 from sonar_core.models.base import CausalLM
 from sonar_core.models.gguf import convert_gguf
 from sonar_core.models.registry import get_model_class
+from sonar_core.models.sharding import shard_weights
 from sonar_core.models.weights import claimed_by, iter_checkpoint
 
 
@@ -74,6 +76,20 @@ def read_hf_config(model_dir: Path) -> tuple[type[CausalLM], Any]:
     return cls, cls.read_hf_config(Path(model_dir))
 
 
+def resolve_checkpoint(
+    model: str | Path | None, revision: str | None = None, trust_remote_code: bool = False, field: str = "model"
+) -> Path:
+    """The local Hugging Face folder of ``model`` (downloaded or converted first where needed):
+    what :func:`load_model` loads from, and what tensor-parallel workers are handed, so that a
+    download or conversion happens once, on the driver."""
+    files = FileSet(tokenizer=True, weights=True, code=trust_remote_code)
+    try:
+        resolved = resolve_model_path(model, revision, files)
+    except HubError as exc:
+        raise ConfigError("revision" if exc.about_revision else field, exc.problem, exc.fix) from None
+    return prepare_model_dir(resolved)
+
+
 def load_model(
     model: str | Path | None,
     dtype: torch.dtype,
@@ -91,17 +107,17 @@ def load_model(
     the model exactly. ``trust_remote_code`` also fetches a repository's Python files, for a
     tokenizer that needs them (:func:`load_tokenizer`). A repository that cannot be fetched is a
     :class:`ConfigError` on ``field`` (``revision`` for an unknown revision).
+
+    Inside a :func:`~sonar_core.layers.tensor_parallel.tensor_parallel_scope` the model is built and
+    loaded as this rank's share (:meth:`CausalLM.shard_rules`).
     """
-    files = FileSet(tokenizer=True, weights=True, code=trust_remote_code)
-    try:
-        resolved = resolve_model_path(model, revision, files)
-    except HubError as exc:
-        raise ConfigError("revision" if exc.about_revision else field, exc.problem, exc.fix) from None
-    model_dir = prepare_model_dir(resolved)
+    model_dir = resolve_checkpoint(model, revision, trust_remote_code, field)
     cls, hf_config = read_hf_config(model_dir)
     net = cls.create(hf_config, dtype, torch.device(device))
     claimed = claimed_by(claimed_prefixes)
-    net.load_weights(iter_checkpoint(model_dir, include=lambda name: not claimed(name)))
+    weights = iter_checkpoint(model_dir, include=lambda name: not claimed(name))
+    parallel = current_tensor_parallel()
+    net.load_weights(weights if parallel.size == 1 else shard_weights(weights, net.shard_rules(), parallel))
     return LoadedModel(
         model=net,
         hf_config=hf_config,

@@ -20,7 +20,9 @@ from sonar_core.layers.decoder import DecoderLayer, DecoderLayerConfig, fused_pr
 from sonar_core.layers.linear import Linear, drop_prepacked, prepack_linears
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding
+from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 from sonar_core.models.base import LayerStackLM
+from sonar_core.models.sharding import DECODER_LAYER_RULES, ShardRule, shard_layer_config
 from sonar_core.models.weights import load_named_weights
 
 
@@ -61,7 +63,8 @@ class DecoderOnlyLM(LayerStackLM):
         if not self.honours_sliding_window:
             _reject_sliding_window(hf_config)
         self.hf_config = hf_config
-        self.config = self.layer_config(hf_config)
+        # Inside a tensor-parallel scope each rank builds its share of the heads and MLP columns.
+        self.config = shard_layer_config(self.layer_config(hf_config), current_tensor_parallel())
         self.num_layers = hf_config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         windows = layer_sliding_windows(hf_config) if self.honours_sliding_window else None
@@ -73,6 +76,9 @@ class DecoderOnlyLM(LayerStackLM):
     def kv_cache_specs(self) -> list[KVLayerSpec]:
         spec = KVLayerSpec(num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim)
         return [spec] * self.num_layers
+
+    def shard_rules(self) -> tuple[ShardRule, ...]:
+        return DECODER_LAYER_RULES
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def ignore(name: str) -> bool:

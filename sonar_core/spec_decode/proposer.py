@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -210,6 +210,14 @@ class DraftProposal:
         return cls(drafts, torch.cat(prob_rows) if prob_rows else None)
 
 
+class SplitModelLoader(Protocol):
+    """Loads a model split over the target's tensor-parallel ranks (the engine's workers)."""
+
+    def load_model(self, key: str, **load_model_arguments: Any) -> Any:
+        """``sonar_core.models.loader.load_model(**load_model_arguments)`` on every rank, as model
+        ``key``; returns the driver's ``LoadedModel``, whose model runs every rank's share."""
+
+
 @dataclass
 class ProposerContext:
     """What the engine hands a method's factory when it builds the proposer."""
@@ -233,6 +241,11 @@ class ProposerContext:
     max_num_batched_tokens: int = 0
     # Most requests in one step.
     max_num_seqs: int = 0
+    # Set when draft_tensor_parallel_size equals the target's (> 1): a method that loads a
+    # separate draft model loads it split over the same ranks with
+    # ``draft_workers.load_model("draft", **load_model_arguments)``. None: the draft runs whole,
+    # on the driver.
+    draft_workers: SplitModelLoader | None = None
 
 
 class ProposerRequestError(SonarError):

@@ -97,8 +97,8 @@ def test_draft_max_model_len_above_the_draft_checkpoints_limit(run_aphrodite, ma
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--tensor-parallel-size", "2"], ["tensor_parallel_size", "is not supported"]),
-        (["-tp", "4"], ["tensor_parallel_size=4"]),
+        (["--tensor-parallel-size", "3"], ["tensor_parallel_size", "does not split evenly over 3 ranks"]),
+        (["-tp", "0"], ["tensor_parallel_size must be at least 1, got 0"]),
         (["-pp", "2"], ["pipeline parallelism is not supported", "tensor parallelism or data parallelism"]),
         (["--gpu-memory-utilization", "1.5"], ["gpu_memory_utilization", "--gpu-memory-utilization"]),
         (["--dtype", "fp8"], ["dtype: unknown dtype 'fp8'"]),

@@ -30,11 +30,15 @@ def test_defaults():
         assert info.description, name
 
 
-@pytest.mark.parametrize("size", [2, 4, 0])
-def test_tensor_parallel_size_must_be_one(size):
+@pytest.mark.parametrize("size", [0, -2])
+def test_tensor_parallel_size_must_be_positive(size):
     error = build_error(tensor_parallel_size=size)
     assert error.field == "tensor_parallel_size"
     assert "--tensor-parallel-size" in error.fix
+
+
+def test_tensor_parallel_size_above_one_parses():
+    assert EngineConfig(tensor_parallel_size=4).tensor_parallel_size == 4
 
 
 @pytest.mark.parametrize("size", [2, 0])
@@ -128,8 +132,8 @@ def test_several_problems_are_reported_together():
 
 
 def test_plain_constructor_raises_a_validation_error_with_the_same_message():
-    with pytest.raises(ValidationError, match="tensor_parallel_size=2 is not supported"):
-        EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be at least 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
 
 
 def test_speculative_config_as_json_text():

@@ -20,7 +20,7 @@ CORE = REPO / "sonar_core"
 # Rank of each top-level part of sonar_core: a module may import its own part and lower ranks.
 RANKS: dict[str, int] = {
     "training": 8,
-    "entrypoints": 7, "bench": 7, "testing": 7,
+    "entrypoints": 7, "bench": 7, "testing": 7, "parallel": 7,
     "engine": 6,
     "spec_decode": 5, "plugins": 5, "builtin_methods": 5,
     "models": 4,
@@ -36,6 +36,7 @@ SAME_RANK_ALLOWED = {
     ("builtin_methods", "plugins"),      # custom_class is a plugin
     ("builtin_methods", "spec_decode"),
     ("entrypoints", "bench"),            # the bench command
+    ("entrypoints", "parallel"),         # the server runs data-parallel replicas
     ("bench", "entrypoints"),            # the bench drives the CLI and the LLM class
     ("bench", "testing"),                # truncated drafts and random heads for benchmark rows
     ("testing", "entrypoints"),          # the test kit checks losslessness through the LLM class

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from sonar_core.config import SpeculativeConfig, TargetInfo
+from sonar_core.config.parallel import check_tensor_parallel
 from sonar_core.errors import ConfigError
 from sonar_core.models.registry import RECURRENT_ARCHITECTURES, supported_architectures
 from sonar_core.plugins import DraftArchitecture, MethodRegistry, MethodSpec, hookimpl
@@ -31,9 +32,11 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     from sonar_draft_model.vocab import VocabularyIntersection
 
     config = context.speculative_config
-    loaded = (weights or {}).get("draft") or load_model(
-        config.model, context.dtype, context.device, field="speculative_config.model"
-    )
+    draft_args = dict(model=config.model, dtype=context.dtype, device=context.device, field="speculative_config.model")
+    if context.draft_workers is not None:  # split over the target's ranks
+        loaded = context.draft_workers.load_model("draft", **draft_args)
+    else:
+        loaded = (weights or {}).get("draft") or load_model(**draft_args)
     vocab = None
     if config.use_heterogeneous_vocab:
         vocab = VocabularyIntersection(context.target_tokenizer, load_tokenizer(loaded), context.device)
@@ -78,6 +81,10 @@ def sonar_validate_speculative_config(
             fix='set "model" to the draft checkpoint (a folder with config.json or a .gguf file)',
         )
     draft = TargetInfo.from_model(config.model)
+    check_tensor_parallel(
+        draft.hf_config, config.draft_tensor_parallel_size or 1, draft.source,
+        field="speculative_config.draft_tensor_parallel_size",
+    )
     if target is not None and draft.vocab_size != target.vocab_size and not config.use_heterogeneous_vocab:
         raise ConfigError(
             field="model",
