@@ -103,6 +103,12 @@ class EngineConfig(BaseModel):
     """Pipeline stages the target's layers are split over. Sonar has no pipeline parallelism: only
     1 is accepted (the flag parses so that vLLM command lines give a clear error)."""
 
+    data_parallel_size: int = 1
+    """Engine replicas behind one ``aphrodite serve``: each is a whole engine in a process of its
+    own, with its own weights and KV cache, and each request goes to the replica with the fewest
+    requests in flight. On the CPU the replicas share the cores (each runs cores / N threads); on
+    CUDA replica i runs on cuda:i. The Python ``LLM`` runs one engine and accepts only 1."""
+
     trust_remote_code: bool = False
     """Let a tokenizer run the Python code its repository ships (a custom tokenizer class named in
     tokenizer_config.json's auto_map); the repository's .py files are then downloaded too.
@@ -180,7 +186,7 @@ class EngineConfig(BaseModel):
             )
         return value
 
-    @field_validator("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
+    @field_validator("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "data_parallel_size")
     @classmethod
     def _positive_count(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:
@@ -221,6 +227,8 @@ class EngineConfig(BaseModel):
             )
         if self.device.startswith("cuda"):
             _require_cuda(self.device)
+        if self.data_parallel_size > 1 and self.resolved_device().startswith("cuda"):
+            _require_a_device_per_replica(self.device, self.data_parallel_size)
         return self
 
     @classmethod
@@ -278,4 +286,25 @@ def _require_cuda(device: str) -> None:
             "device",
             f"device {device!r} was requested, but only {torch.cuda.device_count()} CUDA device(s) exist",
             f"use a device index below {torch.cuda.device_count()}",
+        )
+
+
+def _require_a_device_per_replica(device: str, replicas: int) -> None:
+    """Replica i of a data-parallel server runs on cuda:i, so there must be one device each and
+    no device may be named (every replica would share it)."""
+    import torch
+
+    if ":" in device:
+        raise ConfigError(
+            "data_parallel_size",
+            f"{replicas} replicas cannot share the one device {device!r}: replica i runs on cuda:i",
+            "use --device cuda (or leave it unset) with --data-parallel-size, and CUDA_VISIBLE_DEVICES to "
+            "choose the devices",
+        )
+    count = torch.cuda.device_count()
+    if replicas > count:
+        raise ConfigError(
+            "data_parallel_size",
+            f"{replicas} replicas need a CUDA device each, but only {count} exist",
+            f"lower --data-parallel-size to at most {count}, or serve on the CPU with --device cpu",
         )

@@ -17,6 +17,7 @@ from sonar_core.engine.cpu_threads import ThreadGovernor
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.kv_budget import WorkingMemory, plan_kv_blocks
 from sonar_core.engine.model_runner import ModelRunner, ModelRunOutput
+from sonar_core.engine.request_checks import check_request
 from sonar_core.engine.request_errors import RequestError
 from sonar_core.engine.scheduler import Scheduler, SchedulerOutput
 from sonar_core.engine.sequence import Sequence
@@ -25,6 +26,7 @@ from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.engine.tensor_parallel import DRAFT, TARGET, MirroredStateCache, start_tensor_parallel
 from sonar_core.engine.verifier import Verifier
+from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet
 from sonar_core.kv import RecurrentStateCache, StateLayerSpec, allocate_kv_cache
 from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
@@ -63,6 +65,7 @@ class LLMEngine:
         plugin_manager = plugin_manager or get_plugin_manager()
         validated = validate_config(config, plugin_manager)
         config = validated.engine
+        _require_one_replica(config)
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -242,7 +245,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, params)
+        check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         seed = params.seed
         seq = Sequence(
             request_id=request_id,
@@ -258,24 +261,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise RequestError("the prompt is empty; send at least one token")
-        vocab = self.hf_config.get_text_config(decoder=True).vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        budget = self.max_model_len - len(token_ids)
-        if budget < 1:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens; this model's max_model_len is "
-                f"{self.max_model_len}: shorten the prompt"
-            )
-        if params.max_tokens is not None and params.max_tokens > budget:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceeds "
-                f"max_model_len={self.max_model_len}: lower max_tokens to at most {budget}"
-            )
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold run from 0 to ``vocab_size - 1``."""
+        return self.hf_config.get_text_config(decoder=True).vocab_size
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds; unknown ids are ignored."""
@@ -476,3 +465,16 @@ class LLMEngine:
     def prefix_cache_hits(self) -> int:
         """Of :attr:`prefix_cache_queries`, the tokens whose KV came from the prefix cache."""
         return self.scheduler.prefix_cache_hits
+
+
+def _require_one_replica(config: EngineConfig) -> None:
+    """An engine is one replica; several are the server's (each in a process of its own, which a
+    script's ``LLM(...)`` cannot start safely: spawned processes re-run the script)."""
+    if config.data_parallel_size != 1:
+        raise ConfigError(
+            "data_parallel_size",
+            f"one engine runs one replica; data_parallel_size={config.data_parallel_size} is served by "
+            "`aphrodite serve`",
+            "serve the model with `aphrodite serve MODEL --data-parallel-size N`, or remove data_parallel_size "
+            "here (1 is the default)",
+        )

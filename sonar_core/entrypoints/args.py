@@ -22,7 +22,7 @@ from sonar_core.errors import ConfigError
 # speculative configuration is JSON text.
 _NOT_FLAGS = frozenset({"model", "speculative_config"})
 # Short spellings vLLM users type.
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 API_KEY_ENV = "APHRODITE_API_KEY"
 
 
