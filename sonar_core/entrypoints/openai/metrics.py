@@ -11,6 +11,11 @@ Prometheus series (all labelled ``model_name``):
 - ``aphrodite:kv_cache_usage_perc`` (gauge, 0..1)
 - ``aphrodite:prefix_cache_queries_total`` / ``aphrodite:prefix_cache_hits_total`` (tokens of
   admitted requests, and of those the tokens found in the prefix cache)
+
+  These five describe an engine's state. A data-parallel server has one set per replica, labelled
+  ``engine="0"``, ``engine="1"``, ... as vLLM's are, and no unlabelled set beside them (a
+  ``sum()`` over the series would count the total twice): ``sum without (engine) (...)`` is the
+  server's total. Every other series is the server's, over all replicas.
 - ``aphrodite:prompt_tokens_total`` / ``aphrodite:generation_tokens_total``
 - ``aphrodite:request_success_total`` (label ``finished_reason``: stop, length, abort)
 - ``aphrodite:time_to_first_token_seconds``, ``aphrodite:inter_token_latency_seconds``,
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -63,33 +68,54 @@ class EngineState:
     prefix_cache_hits: int = 0
 
 
+class EngineSeries:
+    """The engine-state series of one engine (or replica): gauges set to its state, prefix-cache
+    counters advanced by what its cumulative counts gained since the previous state."""
+
+    def __init__(self, families: Sequence[Gauge | Counter], labels: Sequence[str]) -> None:
+        running, waiting, kv_cache_usage, prefix_queries, prefix_hits = (f.labels(*labels) for f in families)
+        self.num_running, self.num_waiting, self.kv_cache_usage = running, waiting, kv_cache_usage
+        self.prefix_cache_queries, self.prefix_cache_hits = prefix_queries, prefix_hits
+        self._prefix_seen = (0, 0)
+
+    def observe(self, state: EngineState) -> None:
+        self.num_running.set(state.num_running)
+        self.num_waiting.set(state.num_waiting)
+        self.kv_cache_usage.set(state.kv_cache_usage)
+        queries, hits = state.prefix_cache_queries, state.prefix_cache_hits
+        self.prefix_cache_queries.inc(max(queries - self._prefix_seen[0], 0))
+        self.prefix_cache_hits.inc(max(hits - self._prefix_seen[1], 0))
+        self._prefix_seen = (queries, hits)
+
+
 class ServerMetrics:
     """The Prometheus series of one server, in a registry of its own.
 
     A registry per server (not prometheus_client's global one) keeps two servers in one process,
-    as tests run them, from sharing or double-registering series.
+    as tests run them, from sharing or double-registering series. ``num_engines`` above 1 (a
+    data-parallel server) gives the engine-state series an ``engine`` label, one set per replica
+    in :attr:`engines`.
     """
 
-    def __init__(self, model_name: str, num_speculative_tokens: int) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
         self.model_name = model_name
-        self.num_running = Gauge(
-            "aphrodite:num_requests_running", "Requests in the running batch.", labels, registry=reg
-        ).labels(model_name)
-        self.num_waiting = Gauge(
-            "aphrodite:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=reg
-        ).labels(model_name)
-        self.kv_cache_usage = Gauge(
-            "aphrodite:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", labels, registry=reg
-        ).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            "aphrodite:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=reg
-        ).labels(model_name)
-        self.prefix_cache_hits = Counter(
-            "aphrodite:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=reg
-        ).labels(model_name)
+        replicated = num_engines > 1
+        engine_labels = [*labels, "engine"] if replicated else labels
+        families = (
+            Gauge("aphrodite:num_requests_running", "Requests in the running batch.", engine_labels, registry=reg),
+            Gauge("aphrodite:num_requests_waiting", "Requests waiting to be scheduled.", engine_labels, registry=reg),
+            Gauge("aphrodite:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", engine_labels,
+                  registry=reg),
+            Counter("aphrodite:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", engine_labels,
+                    registry=reg),
+            Counter("aphrodite:prefix_cache_hits", "Prompt tokens found in the prefix cache.", engine_labels,
+                    registry=reg),
+        )
+        label_sets = [[model_name, str(index)] for index in range(num_engines)] if replicated else [[model_name]]
+        self.engines = [EngineSeries(families, label_set) for label_set in label_sets]
         self.prompt_tokens = Counter(
             "aphrodite:prompt_tokens", "Prompt tokens prefilled.", labels, registry=reg
         ).labels(model_name)
@@ -119,11 +145,6 @@ class ServerMetrics:
     def request_finished(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()
 
-    def set_engine_state(self, state: EngineState) -> None:
-        self.num_running.set(state.num_running)
-        self.num_waiting.set(state.num_waiting)
-        self.kv_cache_usage.set(state.kv_cache_usage)
-
     def render(self) -> bytes:
         """The Prometheus text exposition of every series, and the speculative-decoding counters
         under their names without ``_total`` too (see guide_name_exposition)."""
@@ -143,7 +164,10 @@ class StatsRecorder:
 
     Every ``interval_s`` with activity it logs the throughput line and then the
     ``SpecDecoding metrics:`` line of the same interval; one more throughput line follows the
-    last active interval so that the log shows the engine going idle.
+    last active interval so that the log shows the engine going idle. The lines show the state
+    :meth:`observe_engine` is given: a data-parallel server's totals. ``replica_states`` (a
+    data-parallel server's) gives each replica's state, in the order of ``metrics.engines``, for
+    the labelled series.
     """
 
     def __init__(
@@ -154,8 +178,10 @@ class StatsRecorder:
         log_stats: bool,
         interval_s: float = LOG_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        replica_states: Callable[[], Sequence[EngineState]] | None = None,
     ) -> None:
         self.metrics = metrics
+        self._replica_states = replica_states
         self.log_stats = log_stats
         self.interval_s = interval_s
         self._clock = clock
@@ -166,8 +192,7 @@ class StatsRecorder:
         self._interval_generation_tokens = 0
         self._last_log_time = clock()
         self._last_interval_active = False
-        # Prefix-cache counts already passed to the counters, and at the last log line.
-        self._prefix_seen = (0, 0)
+        # Prefix-cache counts at the last log line.
         self._prefix_logged = (0, 0)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -199,12 +224,11 @@ class StatsRecorder:
         self.metrics.request_finished("abort")
 
     def observe_engine(self, state: EngineState) -> None:
-        """Update the gauges and pass on the speculative-decoding counts added since last time."""
-        self.metrics.set_engine_state(state)
-        queries, hits = state.prefix_cache_queries, state.prefix_cache_hits
-        self.metrics.prefix_cache_queries.inc(max(queries - self._prefix_seen[0], 0))
-        self.metrics.prefix_cache_hits.inc(max(hits - self._prefix_seen[1], 0))
-        self._prefix_seen = (queries, hits)
+        """Update the engine-state series and pass on the speculative-decoding counts added since
+        last time."""
+        states = self._replica_states() if self._replica_states is not None else [state]
+        for series, engine_state in zip(self.metrics.engines, states, strict=True):
+            series.observe(engine_state)
         delta = self._spec_logging.follow(self._spec_stats)
         if delta is not None:
             self.metrics.spec_decode.observe(delta)
