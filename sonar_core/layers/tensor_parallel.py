@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,17 @@ CONTROL_TIMEOUT = timedelta(days=365)
 MESSAGE_BUFFER_BYTES = 1 << 12
 
 
+@dataclass
+class CollectiveClock:
+    """Calls of each collective on this rank and the seconds they took (waiting for the other
+    ranks included): what a split costs per step, the figure that matters on real devices."""
+
+    all_reduces: int = 0
+    all_reduce_s: float = 0.0
+    broadcasts: int = 0
+    broadcast_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """Rank ``rank`` of ``size``; ``compute`` all-reduces partial sums of the forward pass
@@ -43,6 +55,7 @@ class TensorParallel:
     control: Any = None  # torch.distributed ProcessGroup
     # The rendezvous store; the groups made through it need it alive (rank 0 serves it).
     store: Any = None
+    clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
 
     @property
     def is_driver(self) -> bool:
@@ -51,7 +64,10 @@ class TensorParallel:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place: one collective per attention or MLP block."""
         if self.size > 1:
+            start = time.perf_counter()
             self.compute.allreduce([tensor]).wait()
+            self.clock.all_reduces += 1
+            self.clock.all_reduce_s += time.perf_counter() - start
         return tensor
 
     def split(self, total: int) -> int:
@@ -68,6 +84,7 @@ class TensorParallel:
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's ``obj`` on every rank (workers pass nothing): pickled into a byte tensor,
         one broadcast when it fits :data:`MESSAGE_BUFFER_BYTES`, two otherwise."""
+        start = time.perf_counter()
         buffer = torch.zeros(MESSAGE_BUFFER_BYTES + 8, dtype=torch.uint8)
         payload = b""
         if self.is_driver:
@@ -85,6 +102,8 @@ class TensorParallel:
                 rest.copy_(torch.frombuffer(bytearray(payload[MESSAGE_BUFFER_BYTES:]), dtype=torch.uint8))
             self.control.broadcast(rest, 0).wait()
             data = bytes(buffer[8:].numpy()) + bytes(rest.numpy())
+        self.clock.broadcasts += 1
+        self.clock.broadcast_s += time.perf_counter() - start
         return obj if self.is_driver else pickle.loads(data)
 
     def gather_objects(self, obj: Any) -> list[Any]:
