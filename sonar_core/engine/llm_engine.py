@@ -24,7 +24,13 @@ from sonar_core.engine.sequence import Sequence
 from sonar_core.engine.speculator import ProposeItem, Speculator
 from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
-from sonar_core.engine.tensor_parallel import DRAFT, TARGET, MirroredStateCache, start_tensor_parallel
+from sonar_core.engine.tensor_parallel import (
+    DRAFT,
+    TARGET,
+    MirroredStateCache,
+    SplitDraftLoader,
+    start_tensor_parallel,
+)
 from sonar_core.engine.verifier import Verifier
 from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet
@@ -102,7 +108,7 @@ class LLMEngine:
                 target_model_dir=loaded.model_dir,
                 max_num_batched_tokens=token_budget,
                 max_num_seqs=config.max_num_seqs,
-                draft_workers=self.workers if speculative.config.draft_tensor_parallel_size > 1 else None,
+                split_draft=SplitDraftLoader(self.workers) if speculative.config.draft_tensor_parallel_size > 1 else None,
             )
             plan = build_speculator(speculative, context, plugin_manager)
             self._say_where_the_draft_runs(speculative.config)

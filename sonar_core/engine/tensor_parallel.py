@@ -495,6 +495,16 @@ TARGET = "target"
 DRAFT = "draft"
 
 
+@dataclass(frozen=True)
+class SplitDraftLoader:
+    """What a proposer gets to load its draft model split over the target's ranks."""
+
+    workers: TensorParallelWorkers
+
+    def load_model(self, **load_model_arguments: Any) -> Any:
+        return self.workers.load_model(DRAFT, **load_model_arguments)
+
+
 def start_tensor_parallel(size: int, device: torch.device) -> TensorParallelWorkers | None:
     """The workers of a ``size``-way split (None for one device).
 

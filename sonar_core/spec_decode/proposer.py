@@ -211,11 +211,11 @@ class DraftProposal:
 
 
 class SplitModelLoader(Protocol):
-    """Loads a model split over the target's tensor-parallel ranks (the engine's workers)."""
+    """Loads the draft model split over the target's tensor-parallel ranks (the engine's workers)."""
 
-    def load_model(self, key: str, **load_model_arguments: Any) -> Any:
-        """``sonar_core.models.loader.load_model(**load_model_arguments)`` on every rank, as model
-        ``key``; returns the driver's ``LoadedModel``, whose model runs every rank's share."""
+    def load_model(self, **load_model_arguments: Any) -> Any:
+        """``sonar_core.models.loader.load_model(**load_model_arguments)`` on every rank; returns
+        the driver's ``LoadedModel``, whose model runs every rank's share at each forward pass."""
 
 
 @dataclass
@@ -243,9 +243,8 @@ class ProposerContext:
     max_num_seqs: int = 0
     # Set when draft_tensor_parallel_size equals the target's (> 1): a method that loads a
     # separate draft model loads it split over the same ranks with
-    # ``draft_workers.load_model("draft", **load_model_arguments)``. None: the draft runs whole,
-    # on the driver.
-    draft_workers: SplitModelLoader | None = None
+    # ``split_draft.load_model(**load_model_arguments)``. None: the draft runs whole, on the driver.
+    split_draft: SplitModelLoader | None = None
 
 
 class ProposerRequestError(SonarError):

@@ -33,8 +33,8 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
 
     config = context.speculative_config
     draft_args = dict(model=config.model, dtype=context.dtype, device=context.device, field="speculative_config.model")
-    if context.draft_workers is not None:  # split over the target's ranks
-        loaded = context.draft_workers.load_model("draft", **draft_args)
+    if context.split_draft is not None:  # split over the target's ranks
+        loaded = context.split_draft.load_model(**draft_args)
     else:
         loaded = (weights or {}).get("draft") or load_model(**draft_args)
     vocab = None
