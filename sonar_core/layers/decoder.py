@@ -145,13 +145,19 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused.
 
-    def __init__(self, config: DecoderLayerConfig) -> None:
+    ``reduce=False`` keeps ``down`` a plain projection even in a split model: the block then
+    returns this rank's partial sum, for a caller that adds several such blocks before one
+    all-reduce (the bias-free experts of a :class:`~sonar_core.layers.moe.MoE`).
+    """
+
+    def __init__(self, config: DecoderLayerConfig, reduce: bool = True) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = output_projection(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        down = output_projection if reduce else Linear
+        self.down_proj = down(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,17 @@ Per token, as transformers' ``Qwen3NextGatedDeltaNet`` computes it:
 The layer keeps no KV cache: its state per request is the convolution's last ``conv_kernel - 1``
 inputs and a ``[head_k_dim, head_v_dim]`` matrix per value head (:meth:`GatedDeltaNetConfig.state_spec`),
 read and written through the step's :class:`~sonar_core.layers.recurrent_batch.RecurrentBatch`.
+
+Split over tensor-parallel ranks (:meth:`GatedDeltaNetConfig.shard`), a rank keeps whole key heads
+with the value heads they serve: its rows of the projections, its channels of the convolution,
+its ``A_log``/``dt_bias`` entries and its share of the state; the output norm (one per head
+width) stays whole and ``out_proj`` is row-parallel, the layer's one all-reduce. Heads never mix
+before ``out_proj``, so nothing else crosses ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,9 +36,10 @@ from torch import nn
 from sonar_core.kv import StateLayerSpec
 from sonar_core.layers.decoder import ACTIVATIONS
 from sonar_core.layers.delta_rule import l2_normalize
-from sonar_core.layers.linear import Linear
+from sonar_core.layers.linear import Linear, output_projection
 from sonar_core.layers.norms import GatedRMSNorm
 from sonar_core.layers.recurrent_batch import RecurrentBatch
+from sonar_core.layers.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,12 @@ class GatedDeltaNetConfig:
             rms_norm_eps=float(hf_config.rms_norm_eps),
             hidden_act=hf_config.hidden_act,
         )
+
+    def shard(self, parallel: TensorParallel) -> GatedDeltaNetConfig:
+        """The layer one rank builds: its share of the key heads and of the value heads they serve."""
+        if parallel.size == 1:
+            return self
+        return replace(self, num_k_heads=parallel.split(self.num_k_heads), num_v_heads=parallel.split(self.num_v_heads))
 
     @property
     def key_dim(self) -> int:
@@ -125,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(config.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(config.num_v_heads))
         self.norm = GatedRMSNorm(config.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(config.value_dim, config.hidden_size, bias=False)
+        self.out_proj = output_projection(config.value_dim, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:

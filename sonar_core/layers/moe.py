@@ -20,6 +20,12 @@ pick another one than transformers does.
 ``y = shared(x) + sum_e weight_e * expert_e(x)``, where ``shared`` is DeepSeek's ungated
 ``shared_experts`` block or Qwen's ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``.
 
+Split over tensor-parallel ranks (:meth:`MoEConfig.shard`), every expert and shared expert keeps
+its rank's share of the intermediate columns, while the router and the shared-expert gate stay
+whole: each rank routes alike, and since ``y`` is linear in every block's down projection, the
+rank's partial outputs of all blocks are summed first and all-reduced once per MoE, not once per
+expert.
+
 Dispatch runs only the experts that received tokens: the (token, expert) pairs are sorted by
 expert once, each hit expert multiplies the rows of its tokens in one batch, and the pairs' outputs
 are summed per token with their weights (in float32). At decode that is ``num_experts_per_tok``
@@ -29,7 +35,7 @@ small matmuls, with weights prepacked like every other projection.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +44,8 @@ from torch import nn
 
 from sonar_core.layers.decoder import DecoderLayerConfig, GatedMLP
 from sonar_core.layers.linear import Linear
+from sonar_core.layers.tensor_parallel import TensorParallel
+from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 
@@ -84,6 +92,16 @@ class MoEConfig:
                 f"of topk_group={self.topk_group} groups)"
             )
 
+    def shard(self, parallel: TensorParallel) -> MoEConfig:
+        """The block one rank builds: its share of every expert's (and shared expert's) columns."""
+        if parallel.size == 1:
+            return self
+        return replace(
+            self,
+            moe_intermediate_size=parallel.split(self.moe_intermediate_size),
+            gated_shared_expert_size=parallel.split(self.gated_shared_expert_size),
+        )
+
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MoEConfig:
         """Read a DeepSeek-V3-style config; refuses the other routing rules DeepSeek configs can name."""
@@ -127,9 +145,10 @@ class MoEConfig:
         )
 
 
-def gated_mlp(hidden_size: int, intermediate_size: int, hidden_act: str) -> GatedMLP:
+def gated_mlp(hidden_size: int, intermediate_size: int, hidden_act: str, reduce: bool = True) -> GatedMLP:
     """A ``down(act(gate(x)) * up(x))`` block of the given widths (GatedMLP reads only the MLP
-    fields of its layer config)."""
+    fields of its layer config); ``reduce=False``: its output is the rank's partial sum (see
+    :class:`GatedMLP`)."""
     config = DecoderLayerConfig(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -138,7 +157,7 @@ def gated_mlp(hidden_size: int, intermediate_size: int, hidden_act: str) -> Gate
         head_dim=1,
         hidden_act=hidden_act,
     )
-    return GatedMLP(config)
+    return GatedMLP(config, reduce)
 
 
 def mlp_fused_projections(prefix: str, intermediate_size: int) -> dict[str, tuple[str, int, int]]:
@@ -234,26 +253,29 @@ class TopkRouter(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus shared experts; the names follow the checkpoint (``gate``, ``experts.{e}``,
     ``shared_experts`` or ``shared_expert`` and ``shared_expert_gate``) with gate/up fused per expert
-    (:func:`moe_fused_projections`)."""
+    (:func:`moe_fused_projections`). Built in a tensor-parallel scope from a sharded config, it
+    all-reduces its output once (see the module docstring)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
+        self.parallel = current_tensor_parallel()
         self.gate = TopkRouter(config)
         self.experts = nn.ModuleList(
-            gated_mlp(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            gated_mlp(config.hidden_size, config.moe_intermediate_size, config.hidden_act, reduce=False)
             for _ in range(config.num_experts)
         )
         self.shared_experts = (
             gated_mlp(
-                config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, config.hidden_act
+                config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, config.hidden_act,
+                reduce=False,
             )
             if config.num_shared_experts
             else None
         )
         if config.gated_shared_expert_size:
             self.shared_expert = gated_mlp(
-                config.hidden_size, config.gated_shared_expert_size, config.hidden_act
+                config.hidden_size, config.gated_shared_expert_size, config.hidden_act, reduce=False
             )
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
@@ -279,4 +301,4 @@ class MoE(nn.Module):
             routed = routed + self.shared_experts(x)
         if self.config.gated_shared_expert_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed
+        return self.parallel.all_reduce(routed)

@@ -10,6 +10,14 @@ Caches: one KV cache per full-attention layer (:meth:`Qwen3NextForCausalLM.kv_ca
 layer order) and one recurrent state per linear-attention layer
 (:meth:`Qwen3NextForCausalLM.state_specs`), which the forward reads from ``attn_metadata.state``.
 
+Built in a tensor-parallel scope, each rank holds its share of every layer
+(:meth:`Qwen3NextLayerConfig.shard`) and reports its share of the caches: full attention's heads and
+KV heads, linear attention's key heads with their value heads (and their recurrent state), and the
+columns of every expert, shared expert and dense MLP. Each token mixer and each MLP or MoE ends in
+one all-reduce; embedding, norms, routers, the shared-expert gate and the LM head are whole.
+:meth:`Qwen3NextLayerConfig.shard_rules` cuts the checkpoint to match. The MTP layers below are
+built from the whole config outside any such scope and run whole on the driver.
+
 Building blocks for an MTP proposer (the checkpoint's ``mtp.layers.{i}.*`` are full-attention layers
 with the MoE, next to ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and
 ``mtp.norm``, all zero-centred norms; the target loads none of them: a proposer claims ``mtp.``)::
@@ -29,7 +37,7 @@ matched on the names' tails, so it serves under any prefix; pass the tensors thr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,9 +52,12 @@ from sonar_core.layers.moe import MoE, MoEConfig, gated_mlp, moe_fused_projectio
 from sonar_core.layers.norms import ZeroCentredRMSNorm
 from sonar_core.layers.recurrent_batch import RecurrentBatch
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding
+from sonar_core.layers.tensor_parallel import TensorParallel
+from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 from sonar_core.models.base import LayerStackLM
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.registry import register_architecture
+from sonar_core.models.sharding import ShardRule, projection_rules, shard_layer_config
 from sonar_core.models.weights import load_named_weights
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -122,6 +133,47 @@ class Qwen3NextLayerConfig:
             and layer_index not in self.mlp_only_layers
             and (layer_index + 1) % self.decoder_sparse_step == 0
         )
+
+    def shard(self, parallel: TensorParallel) -> Qwen3NextLayerConfig:
+        """The layers one rank builds (see the module docstring); the routers' expert count and
+        the hidden size stay whole."""
+        if parallel.size == 1:
+            return self
+        return replace(
+            self,
+            intermediate_size=parallel.split(self.intermediate_size),
+            attention=shard_layer_config(self.attention, parallel),
+            linear=self.linear.shard(parallel),
+            moe=None if self.moe is None else self.moe.shard(parallel),
+        )
+
+    def shard_rules(self) -> tuple[ShardRule, ...]:
+        """How the checkpoint's layer tensors split, for this (whole) config.
+
+        The contiguous cuts keep whole heads: ``q_proj`` interleaves each head's query and gate
+        rows, and ``in_proj_qkvz``/``in_proj_ba`` group their rows by key head (``[q, k, v..., z...]``
+        and ``[b..., a...]`` per key head). The convolution's channels are q, k and v side by side,
+        each cut on its own. Experts match by their projections' names (``experts.{e}.gate_proj``),
+        or as the stacked tensors of :func:`~sonar_core.layers.moe.split_stacked_experts`.
+        """
+        linear = self.linear
+        rules = (
+            *projection_rules(
+                column=(
+                    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                    "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "gate_proj", "up_proj",
+                ),
+                row=("self_attn.o_proj", "linear_attn.out_proj", "down_proj"),
+            ),
+            ShardRule("linear_attn.conv1d.weight", 0, segments=(linear.key_dim, linear.key_dim, linear.value_dim)),
+            ShardRule("linear_attn.A_log", 0),
+            ShardRule("linear_attn.dt_bias", 0),
+        )
+        if self.moe is None:
+            return rules
+        inter = self.moe.moe_intermediate_size
+        # Stacked: [experts, 2 * inter (gate rows, then up), hidden] and [experts, hidden, inter].
+        return (*rules, ShardRule("experts.gate_up_proj", 1, segments=(inter, inter)), ShardRule("experts.down_proj", 2))
 
     def kv_spec(self) -> KVLayerSpec:
         """The KV cache of one full-attention layer."""
@@ -219,7 +271,8 @@ class Qwen3NextForCausalLM(LayerStackLM):
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.hf_config = hf_config
-        self.config = Qwen3NextLayerConfig.from_hf_config(hf_config)
+        # Inside a tensor-parallel scope each rank builds its share of every layer.
+        self.config = Qwen3NextLayerConfig.from_hf_config(hf_config).shard(current_tensor_parallel())
         self.num_layers = int(hf_config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = Qwen3NextStack(hf_config.vocab_size, self.config)
@@ -235,6 +288,9 @@ class Qwen3NextForCausalLM(LayerStackLM):
 
     def state_specs(self) -> list[StateLayerSpec]:
         return [self.config.linear.state_spec()] * self.config.layer_types.count(LINEAR)
+
+    def shard_rules(self) -> tuple[ShardRule, ...]:
+        return Qwen3NextLayerConfig.from_hf_config(self.hf_config).shard_rules()
 
     def forward(
         self,
