@@ -96,6 +96,8 @@ def _draft_model(target: Path, folder: Path, draft_tp: int) -> dict[str, Any]:
 
 METHODS = {
     "ngram": _ngram,
+    "ngram_gpu": lambda t, f: {**_ngram(t, f), "method": "ngram_gpu"},
+    "suffix": lambda t, f: {"method": "suffix", "num_speculative_tokens": 4},
     "draft_model-tp1": lambda t, f: _draft_model(t, f, 1),
     "draft_model-tp2": lambda t, f: _draft_model(t, f, 2),
     "eagle": lambda t, f: {"method": "eagle", "model": str(build_eagle_head(t, f, method="eagle")),
@@ -245,6 +247,23 @@ def test_a_killed_rank_stops_the_engine_without_a_hang(split_engine: Any):
     with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 failed: exited with code -9"):
         _one_step(split_engine)
     assert time.monotonic() - started < 30
+
+
+def test_a_dead_rank_of_four_takes_the_others_down(tmp_path: Path):
+    """Four ranks (two per core here): rank 2 is killed; the error names it and no rank is left."""
+    from aphrodite import LLM
+
+    target = build_tiny_checkpoint(tmp_path / "t", arch="qwen3", num_layers=1, num_heads=4, num_kv_heads=4)
+    llm = LLM(model=str(target), dtype="float32", device="cpu", tensor_parallel_size=4)
+    try:
+        _one_step(llm.engine)
+        pids = llm.engine.workers.worker_pids
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(TensorParallelError, match="tensor-parallel rank 2 failed"):
+            _one_step(llm.engine)
+        assert _gone(pids)
+    finally:
+        llm.engine.close()
 
 
 def test_workers_die_with_their_driver(tmp_path: Path, qwen3: Path):
