@@ -87,7 +87,9 @@ class GatedDeltaNetConfig:
         """The layer one rank builds: its share of the key heads and of the value heads they serve."""
         if parallel.size == 1:
             return self
-        return replace(self, num_k_heads=parallel.split(self.num_k_heads), num_v_heads=parallel.split(self.num_v_heads))
+        return replace(
+            self, num_k_heads=parallel.split(self.num_k_heads), num_v_heads=parallel.split(self.num_v_heads)
+        )
 
     @property
     def key_dim(self) -> int:

@@ -267,7 +267,9 @@ class MoE(nn.Module):
         )
         self.shared_experts = (
             gated_mlp(
-                config.hidden_size, config.moe_intermediate_size * config.num_shared_experts, config.hidden_act,
+                config.hidden_size,
+                config.moe_intermediate_size * config.num_shared_experts,
+                config.hidden_act,
                 reduce=False,
             )
             if config.num_shared_experts

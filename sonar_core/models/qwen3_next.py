@@ -154,7 +154,8 @@ class Qwen3NextLayerConfig:
         rows, and ``in_proj_qkvz``/``in_proj_ba`` group their rows by key head (``[q, k, v..., z...]``
         and ``[b..., a...]`` per key head). The convolution's channels are q, k and v side by side,
         each cut on its own. Experts match by their projections' names (``experts.{e}.gate_proj``),
-        or as the stacked tensors of :func:`~sonar_core.layers.moe.split_stacked_experts`.
+        or as the stacked tensors of :func:`~sonar_core.layers.moe.split_stacked_experts`. Tensors
+        no rule names (norms, routers, the shared-expert gate) stay whole.
         """
         linear = self.linear
         rules = (
@@ -165,7 +166,7 @@ class Qwen3NextLayerConfig:
                 ),
                 row=("self_attn.o_proj", "linear_attn.out_proj", "down_proj"),
             ),
-            ShardRule("linear_attn.conv1d.weight", 0, segments=(linear.key_dim, linear.key_dim, linear.value_dim)),
+            ShardRule("linear_attn.conv1d.weight", 0, (linear.key_dim, linear.key_dim, linear.value_dim)),
             ShardRule("linear_attn.A_log", 0),
             ShardRule("linear_attn.dt_bias", 0),
         )
@@ -173,7 +174,8 @@ class Qwen3NextLayerConfig:
             return rules
         inter = self.moe.moe_intermediate_size
         # Stacked: [experts, 2 * inter (gate rows, then up), hidden] and [experts, hidden, inter].
-        return (*rules, ShardRule("experts.gate_up_proj", 1, segments=(inter, inter)), ShardRule("experts.down_proj", 2))
+        stacked = (ShardRule("experts.gate_up_proj", 1, (inter, inter)), ShardRule("experts.down_proj", 2))
+        return (*rules, *stacked)
 
     def kv_spec(self) -> KVLayerSpec:
         """The KV cache of one full-attention layer."""
