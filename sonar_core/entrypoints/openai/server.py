@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,7 +41,7 @@ from sonar_core.entrypoints.openai.async_engine import (
     EngineStepError,
     RequestStream,
 )
-from sonar_core.entrypoints.openai.metrics import ServerMetrics, StatsRecorder
+from sonar_core.entrypoints.openai.metrics import EngineState, ServerMetrics, StatsRecorder
 from sonar_core.entrypoints.openai.protocol import (
     APIError,
     ChatChoiceLogProbs,
@@ -97,8 +97,15 @@ def build_app(engine: Any, server_args: argparse.Namespace) -> FastAPI:
     ``disable_log_stats``.
     """
     names = _served_names(server_args.served_model_name, engine.model_name)
-    metrics = ServerMetrics(names[0], engine.spec_stats.num_speculative_tokens)
-    recorder = StatsRecorder(metrics, engine.spec_stats, log_stats=not server_args.disable_log_stats)
+    # A data-parallel engine (sonar_core.parallel.data) has replicas, each with series of its own.
+    replica_states = getattr(engine, "replica_states", None)
+    metrics = ServerMetrics(
+        names[0], engine.spec_stats.num_speculative_tokens, num_engines=getattr(engine, "num_replicas", 1)
+    )
+    recorder = StatsRecorder(
+        metrics, engine.spec_stats, log_stats=not server_args.disable_log_stats,
+        replica_states=_as_engine_states(replica_states) if replica_states is not None else None,
+    )
     async_engine = AsyncEngine(engine, recorder)
     serving = _Serving(engine, async_engine, names)
 
@@ -125,9 +132,12 @@ def build_app(engine: Any, server_args: argparse.Namespace) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
-        """200 while the engine thread runs, else 503."""
+        """200 while the engine thread runs (and, data-parallel, every replica serves), else 503."""
         if not async_engine.is_running:
             return _error(503, "the engine is not running")
+        problem = getattr(engine, "health_problem", lambda: None)()
+        if problem is not None:
+            return _error(503, problem)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -152,6 +162,15 @@ def build_app(engine: Any, server_args: argparse.Namespace) -> FastAPI:
         return await serving.chat(body, raw_request)
 
     return app
+
+
+def _as_engine_states(replica_states: Callable[[], Sequence[Any]]) -> Callable[[], list[EngineState]]:
+    """The replicas' states (:class:`~sonar_core.parallel.data_messages.ReplicaState`) as the
+    metrics take them."""
+    return lambda: [
+        EngineState(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits)
+        for s in replica_states()
+    ]
 
 
 def _served_names(served_model_name: str | list[str] | None, model_name: str) -> list[str]:
@@ -683,20 +702,27 @@ def run_server(engine_config: EngineConfig, server_args: Any) -> int:
             return 1
         except KeyboardInterrupt:
             return 130
-        app = build_app(engine, settings)
-        config = uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
-            log_level="info",
-        )
-        port = sock.getsockname()[1]
-        logger.info("serving %s on http://%s:%d (Ctrl+C to stop)", ", ".join(app.state.served_names),
-                    settings.host, port)
-        with _exit_quietly_after_signals():
-            uvicorn.Server(config).run(sockets=[sock])
+        try:
+            _serve(engine, settings, sock)
+        finally:
+            engine.close()  # the engine's processes (replicas, tensor-parallel ranks) end with the server
     return 0
+
+
+def _serve(engine: Any, settings: argparse.Namespace, sock: socket.socket) -> None:
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        log_level="info",
+    )
+    port = sock.getsockname()[1]
+    logger.info("serving %s on http://%s:%d (Ctrl+C to stop)", ", ".join(app.state.served_names),
+                settings.host, port)
+    with _exit_quietly_after_signals():
+        uvicorn.Server(config).run(sockets=[sock])
 
 
 def _settings(engine_config: EngineConfig, server_args: Any) -> argparse.Namespace:
@@ -719,6 +745,10 @@ def _settings(engine_config: EngineConfig, server_args: Any) -> argparse.Namespa
 def _load_engine(engine_config: EngineConfig) -> Any:
     # Imported here: the engine pulls in torch and the model code, which the app factory (and its
     # tests with a stand-in engine) do not need.
+    if engine_config.data_parallel_size > 1:
+        from sonar_core.parallel.data import DataParallelEngine
+
+        return DataParallelEngine(engine_config)
     from sonar_core.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config)

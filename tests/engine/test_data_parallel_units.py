@@ -1,0 +1,136 @@
+"""The in-process parts of data parallelism: outputs sent as deltas and rebuilt, the choice of a
+replica, the thread split and each replica's configuration. (The processes themselves are tested
+through a live server in tests/server/test_data_parallel.py.)"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+
+from sonar_core.config import EngineConfig
+from sonar_core.parallel import data
+from sonar_core.parallel.data import least_loaded, replica_config, replica_threads
+from sonar_core.parallel.data_messages import DeltaEncoder, OutputAssembler, ReplicaError, portable
+from sonar_core.sampling_params import SamplingParams
+
+
+def _comparable(output):
+    completion = output.outputs[0]
+    timing = output.metrics
+    return (
+        output.request_id, output.prompt, list(output.prompt_token_ids), output.finished, output.delta_text,
+        list(output.delta_token_ids), output.error, completion.text, list(completion.token_ids),
+        None if completion.logprobs is None else list(completion.logprobs), completion.cumulative_logprob,
+        completion.finish_reason, completion.stop_reason, timing.arrival_time, timing.first_token_time,
+        timing.last_token_time, timing.finished_time, list(timing.inter_token_latencies),
+    )
+
+
+def test_outputs_rebuilt_from_deltas_are_the_engines(make_llm):
+    """Stop strings (the text cut back at the end), logprobs, several tokens per step (n-gram
+    drafts) and requests of different lengths: every rebuilt output equals the engine's, and a
+    running request's snapshot keeps its step's state."""
+    engine = make_llm(
+        max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    ).engine
+    requests = {
+        "plain": ([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+        "logprobs": ([9, 10, 11], SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)),
+    }
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id, arrival_time=1.0)
+    encoder, assembler = DeltaEncoder(), OutputAssembler()
+    for request_id, (prompt, _) in requests.items():
+        assembler.start(request_id, None, prompt, 1.0)
+    snapshots = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            rebuilt = assembler.apply(pickle.loads(pickle.dumps(encoder.encode(output))))
+            assert _comparable(rebuilt) == _comparable(output)
+            snapshots.append((rebuilt, _comparable(rebuilt)[:13]))
+    assert all(_comparable(rebuilt)[:13] == then for rebuilt, then in snapshots)
+
+
+def test_a_stop_string_cuts_text_already_sent():
+    """The engine's text may shrink once, at the end (a completed stop string is cut off)."""
+    from sonar_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def output(text: str, token_ids: list[int], finish: str | None) -> RequestOutput:
+        completion = CompletionOutput(0, text, token_ids, None, None, finish_reason=finish)
+        return RequestOutput("r", None, [1], [completion], finish is not None, RequestMetrics(0.0))
+
+    encoder, assembler = DeltaEncoder(), OutputAssembler()
+    assembler.start("r", None, [1], 0.0)
+    assert assembler.apply(encoder.encode(output("hello wor", [2, 3], None))).outputs[0].text == "hello wor"
+    final = assembler.apply(encoder.encode(output("hello", [2, 3, 4], "stop")))
+    assert (final.outputs[0].text, final.outputs[0].token_ids, final.delta_token_ids) == ("hello", [2, 3, 4], [4])
+
+
+def test_a_dropped_request_ends_with_its_error():
+    assembler = OutputAssembler()
+    assembler.start("r", "hi", [1, 2], 0.0)
+    failed = assembler.fail("r", "engine replica 1 stopped: killed by signal SIGKILL (pid 7)")
+    assert failed.finished and failed.outputs[0].finish_reason == "abort"
+    assert failed.error == "engine replica 1 stopped: killed by signal SIGKILL (pid 7)"
+
+
+@pytest.mark.parametrize(
+    ("loads", "start", "expected"),
+    [
+        ([0, 0], 0, 0),
+        ([0, 0], 1, 1),
+        ([2, 1, 1], 0, 1),
+        ([2, 1, 1], 2, 2),
+        ([1, 3, 0], 0, 2),
+        ([None, 4, 2], 0, 2),
+        ([None, None], 1, None),
+    ],
+)
+def test_least_loaded_then_in_turn(loads, start, expected):
+    assert least_loaded(loads, start) == expected
+
+
+def test_equal_replicas_take_requests_in_turn():
+    loads, start, chosen = [0, 0, 0], 0, []
+    for _ in range(6):
+        index = least_loaded(loads, start)
+        chosen.append(index)
+        loads[index] += 1
+        start = (index + 1) % len(loads)
+    assert chosen == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("cores", "start_threads", "replicas", "expected"),
+    [(16, 16, 2, 8), (16, 16, 3, 5), (2, 2, 2, 1), (16, 4, 2, 4), (2, 2, 3, 1)],
+)
+def test_replicas_split_the_cores(monkeypatch, caplog, cores, start_threads, replicas, expected):
+    monkeypatch.setattr(data, "usable_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: start_threads)
+    with caplog.at_level(logging.INFO, logger="sonar.parallel"):
+        assert replica_threads(replicas) == expected
+    assert f"{replicas} replicas on {cores} cores, {expected} thread" in caplog.text
+    assert ("more replicas than this machine has cores" in caplog.text) == (replicas > cores)
+
+
+def test_each_replica_is_one_engine_on_its_own_device(monkeypatch):
+    cpu = replica_config(EngineConfig(device="cpu", data_parallel_size=2), 1)
+    assert (cpu.data_parallel_size, cpu.device) == (1, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda = replica_config(EngineConfig(device="cuda", data_parallel_size=2), 1)
+    assert (cuda.data_parallel_size, cuda.device) == (1, "cuda:1")
+
+
+def test_errors_that_do_not_pickle_travel_as_their_text():
+    class Local(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    error = portable(Local(1, 2))
+    assert isinstance(error, ReplicaError) and str(error) == "Local: 1/2"
+    same = ValueError("bad")
+    assert portable(same) is same
