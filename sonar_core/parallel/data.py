@@ -94,6 +94,11 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     return config.model_copy(update=update)
 
 
+class ReplicaTraceback(Exception):
+    """Where a replica's error was raised: shown as the cause of the error the server re-raises
+    (only a traceback that reaches the user shows it)."""
+
+
 @dataclass
 class _Replica:
     """The server's side of one replica process."""
@@ -168,9 +173,7 @@ class DataParallelEngine:
                     infos[replica.index] = reply
                     continue
                 if isinstance(reply, ReplicaFailed):
-                    error = reply.error
-                    error.add_note(f"(in engine replica {replica.index})\n{reply.traceback}")
-                    raise error
+                    raise reply.error from ReplicaTraceback(f"in engine replica {replica.index}:\n{reply.traceback}")
                 raise ReplicaError(f"engine replica {replica.index} stopped while starting: {replica.stopped}")
         return infos[0]
 
