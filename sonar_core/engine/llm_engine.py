@@ -200,6 +200,11 @@ class LLMEngine:
             speculative.draft_tensor_parallel_size, speculative.method,
         )
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (a tensor-parallel rank died), or None: the server's
+        ``/health`` answers 503 with it, and every later step fails with the same reason."""
+        return self.workers.dead if self.workers is not None else None
+
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device). Idempotent;
         also runs at interpreter exit."""

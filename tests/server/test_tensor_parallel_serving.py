@@ -60,13 +60,15 @@ def test_a_split_server_serves_what_one_rank_does_and_sigterm_stops_its_workers(
     assert "Traceback" not in split_server.stderr
 
 
-def test_a_dead_rank_fails_requests_with_its_error(split_server):
+def test_a_dead_rank_fails_requests_and_health_with_its_error(split_server):
     base_url = f"http://127.0.0.1:{split_server.port()}"
     (worker,) = _children(split_server.proc.pid)
     os.kill(worker, signal.SIGKILL)
     started = time.monotonic()
     with httpx.Client(base_url=base_url, timeout=60) as http:
         response = http.post("/v1/completions", json=BODY)
+        assert response.status_code >= 500
+        assert "tensor-parallel rank 1 failed" in response.text
+        health = http.get("/health")
     assert time.monotonic() - started < 30
-    assert response.status_code >= 500
-    assert "tensor-parallel rank 1 failed" in response.text
+    assert health.status_code == 503 and "tensor-parallel rank 1 failed" in health.text
