@@ -107,7 +107,8 @@ class EngineConfig(BaseModel):
     """Engine replicas behind one ``aphrodite serve``: each is a whole engine in a process of its
     own, with its own weights and KV cache, and each request goes to the replica with the fewest
     requests in flight. On the CPU the replicas share the cores (each runs cores / N threads); on
-    CUDA replica i runs on cuda:i. The Python ``LLM`` runs one engine and accepts only 1."""
+    CUDA each has devices of its own (tensor_parallel_size each). The Python ``LLM`` runs one
+    engine and accepts only 1."""
 
     trust_remote_code: bool = False
     """Let a tokenizer run the Python code its repository ships (a custom tokenizer class named in
@@ -228,7 +229,7 @@ class EngineConfig(BaseModel):
         if self.device.startswith("cuda"):
             _require_cuda(self.device)
         if self.data_parallel_size > 1 and self.resolved_device().startswith("cuda"):
-            _require_a_device_per_replica(self.device, self.data_parallel_size)
+            _require_devices_for_replicas(self.device, self.data_parallel_size, self.tensor_parallel_size)
         return self
 
     @classmethod
@@ -289,22 +290,24 @@ def _require_cuda(device: str) -> None:
         )
 
 
-def _require_a_device_per_replica(device: str, replicas: int) -> None:
-    """Replica i of a data-parallel server runs on cuda:i, so there must be one device each and
-    no device may be named (every replica would share it)."""
+def _require_devices_for_replicas(device: str, replicas: int, ranks: int) -> None:
+    """Each replica of a data-parallel server has devices of its own (one per tensor-parallel
+    rank), so there must be enough of them and no device may be named (every replica would share
+    it)."""
     import torch
 
     if ":" in device:
         raise ConfigError(
             "data_parallel_size",
-            f"{replicas} replicas cannot share the one device {device!r}: replica i runs on cuda:i",
+            f"{replicas} replicas cannot share the one device {device!r}: each replica runs on devices of its own",
             "use --device cuda (or leave it unset) with --data-parallel-size, and CUDA_VISIBLE_DEVICES to "
             "choose the devices",
         )
     count = torch.cuda.device_count()
-    if replicas > count:
+    if replicas * ranks > count:
+        each = "a CUDA device each" if ranks == 1 else f"{ranks} CUDA devices each (tensor_parallel_size={ranks})"
         raise ConfigError(
             "data_parallel_size",
-            f"{replicas} replicas need a CUDA device each, but only {count} exist",
-            f"lower --data-parallel-size to at most {count}, or serve on the CPU with --device cpu",
+            f"{replicas} replicas need {each}, {replicas * ranks} in all, but only {count} exist",
+            f"lower --data-parallel-size to at most {max(count // ranks, 1)}, or serve on the CPU with --device cpu",
         )

@@ -8,8 +8,10 @@ responses. A request goes to the replica with the fewest requests in flight (tie
 stays there; its outputs come back as deltas (:mod:`~sonar_core.parallel.data_messages`).
 
 On the CPU the replicas share the machine: each runs ``cores // N`` threads (at least one, at most
-what one engine would start with), so that together they do not run more threads than cores. On
-CUDA replica i runs on ``cuda:i``.
+what one engine would start with), so that together they do not run more threads than cores. A
+replica split over tensor-parallel ranks is pinned to its share of the cores instead, which its
+ranks divide among them. On CUDA each replica sees only its own devices (``CUDA_VISIBLE_DEVICES``):
+replica i the i-th group of ``tensor_parallel_size`` of them.
 
 Failures stay where they happen. A replica that cannot start makes the whole server fail with
 that replica's error (the one a single engine gives). A replica that dies while serving fails the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -33,7 +36,6 @@ from typing import Any
 import torch.multiprocessing
 
 from sonar_core.config import EngineConfig
-from sonar_core.config.parallel import usable_cores
 from sonar_core.engine.request_checks import check_request
 from sonar_core.engine.request_errors import RequestError
 from sonar_core.outputs import RequestOutput
@@ -49,7 +51,7 @@ from sonar_core.parallel.data_messages import (
     StepReport,
     Stop,
 )
-from sonar_core.parallel.data_replica import LogSetup, run_replica
+from sonar_core.parallel.data_replica import LogSetup, Placement, run_replica
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode.metrics import SpecDecodingStats
 
@@ -62,11 +64,15 @@ POLL_S = 0.02
 STOP_TIMEOUT_S = 30.0
 
 
-def replica_threads(replicas: int) -> int:
-    """Threads of each CPU replica: the cores split evenly (at least one each), never more than
-    one engine would start with (``OMP_NUM_THREADS``); logged, with a warning when the replicas
-    outnumber the cores."""
-    cores = usable_cores()
+def cpu_cores() -> set[int]:
+    """The cores this process may run on."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def replica_threads(replicas: int, cores: int) -> int:
+    """Threads of each CPU replica: the ``cores`` split evenly (at least one each), never more
+    than one engine would start with (``OMP_NUM_THREADS``); logged, with a warning when the
+    replicas outnumber the cores."""
     threads = max(1, min(torch.get_num_threads(), cores // replicas))
     if replicas > cores:
         logger.warning(
@@ -86,11 +92,38 @@ def least_loaded(loads: Sequence[int | None], start: int) -> int | None:
     return min(candidates)[2] if candidates else None
 
 
-def replica_config(config: EngineConfig, index: int) -> EngineConfig:
-    """The configuration of replica ``index``: one engine, on ``cuda:index`` when serving on CUDA."""
+def place_replicas(config: EngineConfig, cores: Sequence[int], cuda_devices: Sequence[str]) -> list[Placement]:
+    """Where each replica runs, given the cores this process may use and the visible CUDA devices:
+    on CUDA the replica's own group of ``tensor_parallel_size`` devices; on the CPU, split over
+    ranks, its own share of the cores (one engine's thread governor already keeps replicas of one
+    rank within their share, and pinning them would make it count the other replicas' cores as
+    its own, taken)."""
+    replicas, ranks = config.data_parallel_size, config.tensor_parallel_size
+    threads = replica_threads(replicas, len(cores))
+    if config.resolved_device() == "cuda":
+        return [Placement(threads, cuda_devices=tuple(cuda_devices[i * ranks : (i + 1) * ranks])) for i in range(replicas)]
+    if ranks == 1:
+        return [Placement(threads)] * replicas
+    share = max(1, len(cores) // replicas)
+    return [
+        Placement(threads, cores=tuple(cores[(i * share + j) % len(cores)] for j in range(share)))
+        for i in range(replicas)
+    ]
+
+
+def visible_cuda_devices() -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` names them."""
+    names = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if names is not None:
+        return [name.strip() for name in names.split(",") if name.strip()]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def replica_config(config: EngineConfig) -> EngineConfig:
+    """The configuration of a replica: one engine, on the first of the devices it sees."""
     update: dict[str, Any] = {"data_parallel_size": 1}
     if config.resolved_device() == "cuda":
-        update["device"] = f"cuda:{index}"
+        update["device"] = "cuda"
     return config.model_copy(update=update)
 
 
@@ -127,7 +160,8 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.num_replicas = config.data_parallel_size
-        threads = replica_threads(self.num_replicas)
+        cuda = config.resolved_device() == "cuda"
+        placements = place_replicas(config, sorted(cpu_cores()), visible_cuda_devices() if cuda else [])
         context = torch.multiprocessing.get_context("spawn")
         log_setup = LogSetup.of_this_process()
         self._replicas: list[_Replica] = []
@@ -139,7 +173,7 @@ class DataParallelEngine:
                 replies, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=run_replica,
-                    args=(index, replica_config(config, index), threads, log_setup, commands, writer),
+                    args=(index, replica_config(config), placements[index], log_setup, commands, writer),
                     name=f"sonar-replica-{index}",
                 )
                 process.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import time
@@ -46,6 +47,31 @@ PARENT_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a replica runs (see :func:`sonar_core.parallel.data.place_replicas`): its torch
+    threads and, when set, the CPU cores it and its tensor-parallel ranks are pinned to, or the
+    CUDA devices they see. Ranks are child processes, so they inherit both."""
+
+    threads: int
+    cores: tuple[int, ...] | None = None
+    cuda_devices: tuple[str, ...] | None = None
+
+    def apply(self) -> None:
+        """Before anything touches CUDA: the devices are read when CUDA starts."""
+        if self.cuda_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.cuda_devices)
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
+        torch.set_num_threads(self.threads)
+
+    def describe(self) -> str:
+        threads = f"{self.threads} thread{'' if self.threads == 1 else 's'}"
+        if self.cuda_devices is not None:
+            return f"CUDA devices {','.join(self.cuda_devices)}, {threads}"
+        return f"cores {','.join(map(str, self.cores))}" if self.cores is not None else threads
+
+
+@dataclass(frozen=True)
 class LogSetup:
     """The server's logging, for the replica's own handler (a spawned process starts without one)."""
 
@@ -73,14 +99,14 @@ class LogSetup:
 
 
 def run_replica(
-    index: int, config: EngineConfig, threads: int, log_setup: LogSetup, commands: Any, replies: Connection
+    index: int, config: EngineConfig, placement: Placement, log_setup: LogSetup, commands: Any, replies: Connection
 ) -> None:
     """The replica process: start the engine, report it ready (or why it could not start), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     log_setup.apply(index)
-    torch.set_num_threads(threads)
-    logger.info("starting on %s with %d thread%s", config.resolved_device(), threads, "" if threads == 1 else "s")
+    placement.apply()
+    logger.info("starting on %s: %s", config.resolved_device(), placement.describe())
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # every startup failure goes to the server, which reports it

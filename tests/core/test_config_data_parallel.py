@@ -20,13 +20,16 @@ def test_data_parallel_size_defaults_to_one_and_must_be_positive():
         assert "--data-parallel-size to 1 or more" in info.value.fix
 
 
-def test_replicas_on_cuda_need_a_device_each_and_no_named_device(monkeypatch):
+def test_replicas_on_cuda_need_devices_of_their_own_and_no_named_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert EngineConfig(device="cuda", data_parallel_size=2).data_parallel_size == 2
-    with pytest.raises(ConfigError, match="3 replicas need a CUDA device each, but only 2 exist") as info:
+    with pytest.raises(ConfigError, match="3 replicas need a CUDA device each, 3 in all, but only 2 exist") as info:
         EngineConfig.build(device="cuda", data_parallel_size=3)
     assert "--data-parallel-size to at most 2" in info.value.fix
+    with pytest.raises(ConfigError, match=r"2 CUDA devices each \(tensor_parallel_size=2\), 4 in all") as info:
+        EngineConfig.build(device="cuda", data_parallel_size=2, tensor_parallel_size=2)
+    assert "--data-parallel-size to at most 1" in info.value.fix
     with pytest.raises(ConfigError, match="cannot share the one device 'cuda:1'") as info:
         EngineConfig.build(device="cuda:1", data_parallel_size=2)
     assert "--device cuda" in info.value.fix

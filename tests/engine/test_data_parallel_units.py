@@ -11,9 +11,15 @@ import pytest
 import torch
 
 from sonar_core.config import EngineConfig
-from sonar_core.parallel import data
-from sonar_core.parallel.data import least_loaded, replica_config, replica_threads
+from sonar_core.parallel.data import (
+    least_loaded,
+    place_replicas,
+    replica_config,
+    replica_threads,
+    visible_cuda_devices,
+)
 from sonar_core.parallel.data_messages import DeltaEncoder, OutputAssembler, ReplicaError, portable
+from sonar_core.parallel.data_replica import Placement
 from sonar_core.sampling_params import SamplingParams
 
 
@@ -108,21 +114,38 @@ def test_equal_replicas_take_requests_in_turn():
     [(16, 16, 2, 8), (16, 16, 3, 5), (2, 2, 2, 1), (16, 4, 2, 4), (2, 2, 3, 1)],
 )
 def test_replicas_split_the_cores(monkeypatch, caplog, cores, start_threads, replicas, expected):
-    monkeypatch.setattr(data, "usable_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: start_threads)
     with caplog.at_level(logging.INFO, logger="sonar.parallel"):
-        assert replica_threads(replicas) == expected
+        assert replica_threads(replicas, cores) == expected
     assert f"{replicas} replicas on {cores} cores, {expected} thread" in caplog.text
     assert ("more replicas than this machine has cores" in caplog.text) == (replicas > cores)
 
 
-def test_each_replica_is_one_engine_on_its_own_device(monkeypatch):
-    cpu = replica_config(EngineConfig(device="cpu", data_parallel_size=2), 1)
-    assert (cpu.data_parallel_size, cpu.device) == (1, "cpu")
+def test_cpu_replicas_of_one_rank_are_not_pinned_and_split_ones_get_their_share(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    plain = place_replicas(EngineConfig(device="cpu", data_parallel_size=2), range(8), [])
+    assert plain == [Placement(4), Placement(4)]
+    split = place_replicas(EngineConfig(device="cpu", data_parallel_size=2, tensor_parallel_size=2), range(8), [])
+    assert [placement.cores for placement in split] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_cuda_replicas_see_their_own_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cuda = replica_config(EngineConfig(device="cuda", data_parallel_size=2), 1)
-    assert (cuda.data_parallel_size, cuda.device) == (1, "cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    one_rank = place_replicas(EngineConfig(device="cuda", data_parallel_size=2), range(16), ["0", "1", "2", "3"])
+    assert [placement.cuda_devices for placement in one_rank] == [("0",), ("1",)]
+    config = EngineConfig(data_parallel_size=2, tensor_parallel_size=2)
+    split = place_replicas(config, range(16), ["4", "5", "6", "7"])
+    assert [placement.cuda_devices for placement in split] == [("4", "5"), ("6", "7")]
+    replica = replica_config(config)
+    assert (replica.data_parallel_size, replica.tensor_parallel_size, replica.device) == (1, 2, "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 1")
+    assert visible_cuda_devices() == ["3", "1"]
+
+
+def test_each_cpu_replica_is_one_engine_on_the_cpu():
+    replica = replica_config(EngineConfig(device="cpu", data_parallel_size=2))
+    assert (replica.data_parallel_size, replica.device) == (1, "cpu")
 
 
 def test_errors_that_do_not_pickle_travel_as_their_text():

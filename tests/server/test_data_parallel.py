@@ -342,3 +342,20 @@ def test_replicas_of_a_killed_server_exit_by_themselves(checkpoint: Path) -> Non
     while _running(processes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(processes)
+
+
+@pytest.mark.slow
+def test_replicas_split_over_tensor_parallel_ranks_keep_to_their_cores(
+    checkpoint: Path, expected: dict[str, Any]
+) -> None:
+    """Two replicas of two ranks each: every replica and its rank pinned to its own share of the
+    cores, outputs still one engine's."""
+    for server in serve_replicas(dp_config(checkpoint, tensor_parallel_size=2)):
+        shares = []
+        for pid in server.engine.replica_pids:
+            ranks = _descendants(pid)
+            assert ranks, "a replica of two ranks runs one worker process"
+            shares.append({frozenset(os.sched_getaffinity(p)) for p in {pid, *ranks}})
+        assert all(len(share) == 1 for share in shares) and shares[0] != shares[1], shares
+        texts = asyncio.run(complete_all(server, PROMPTS[:4]))
+        assert texts == [expected[prompt].text for prompt in PROMPTS[:4]]
