@@ -32,6 +32,7 @@ from sonar_core.parallel.data_messages import (
     Command,
     DeltaEncoder,
     OutputDelta,
+    ReplicaError,
     ReplicaFailed,
     ReplicaInfo,
     ReplicaState,
@@ -137,7 +138,9 @@ class ReplicaLoop:
     """Applies commands between steps and steps while the engine holds requests.
 
     Failure isolation is the single server's: a request the engine refuses, or the requests of a
-    step that raises, are reported as dropped (with the reason) and the loop goes on.
+    step that raises, are reported as dropped (with the reason) and the loop goes on, unless the
+    engine reports that it cannot step again (a tensor-parallel rank died): then the loop raises
+    and the replica stops, so that the server sends it nothing more.
     """
 
     def __init__(self, engine: LLMEngine, commands: Any, replies: Connection) -> None:
@@ -210,6 +213,9 @@ class ReplicaLoop:
         try:
             outputs = self._engine.step()
         except Exception as exc:
+            problem = self._engine.health_problem()
+            if problem is not None:  # the engine cannot step again: stop, so that no request comes here
+                raise ReplicaError(problem) from exc
             logger.exception("engine step failed; failing the %d requests it held", len(self._live))
             reason = f"the engine failed while generating this request: {exc}"
             for request_id in self._live:

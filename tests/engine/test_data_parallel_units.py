@@ -5,7 +5,12 @@ through a live server in tests/server/test_data_parallel.py.)"""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import pickle
+import queue
+import threading
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,9 +23,17 @@ from sonar_core.parallel.data import (
     replica_threads,
     visible_cuda_devices,
 )
-from sonar_core.parallel.data_messages import DeltaEncoder, OutputAssembler, ReplicaError, portable
-from sonar_core.parallel.data_replica import Placement
+from sonar_core.parallel.data_messages import (
+    AddRequest,
+    DeltaEncoder,
+    OutputAssembler,
+    ReplicaError,
+    Stop,
+    portable,
+)
+from sonar_core.parallel.data_replica import Placement, ReplicaLoop
 from sonar_core.sampling_params import SamplingParams
+from sonar_core.spec_decode.metrics import SpecDecodingStats
 
 
 def _comparable(output):
@@ -157,3 +170,57 @@ def test_errors_that_do_not_pickle_travel_as_their_text():
     assert isinstance(error, ReplicaError) and str(error) == "Local: 1/2"
     same = ValueError("bad")
     assert portable(same) is same
+
+
+class _FailingEngine:
+    """Holds requests and fails every step; ``problem`` is what it says of its own health."""
+
+    def __init__(self, problem: str | None) -> None:
+        self.problem = problem
+        self.requests: set[str] = set()
+        self.num_running = self.num_waiting = self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.block_manager = SimpleNamespace(num_blocks=8)
+        self.spec_stats = SpecDecodingStats(0)
+
+    def add_request(self, prompt, params, request_id, arrival_time):
+        self.requests.add(request_id)
+
+    def abort_request(self, request_id):
+        self.requests.discard(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        raise RuntimeError("boom")
+
+    def health_problem(self):
+        return self.problem
+
+    def kv_cache_usage(self):
+        return 0.0
+
+
+def _loop(engine: _FailingEngine) -> tuple[ReplicaLoop, queue.Queue, Any]:
+    commands: queue.Queue = queue.Queue()
+    replies, writer = multiprocessing.Pipe(duplex=False)
+    return ReplicaLoop(engine, commands, writer), commands, replies
+
+
+def test_a_failed_step_drops_its_requests_and_the_replica_serves_on():
+    loop, commands, replies = _loop(_FailingEngine(problem=None))
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    commands.put(AddRequest("r", [1, 2], SamplingParams(), 0.0))
+    assert replies.poll(10)
+    assert replies.recv().dropped == {"r": "the engine failed while generating this request: boom"}
+    commands.put(Stop())
+    runner.join(10)
+    assert not runner.is_alive()
+
+
+def test_an_engine_that_cannot_step_again_stops_its_replica():
+    loop, commands, _ = _loop(_FailingEngine(problem="tensor-parallel rank 1 failed: killed"))
+    commands.put(AddRequest("r", [1], SamplingParams(), 0.0))
+    with pytest.raises(ReplicaError, match="tensor-parallel rank 1 failed: killed"):
+        loop.run()
