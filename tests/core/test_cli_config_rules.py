@@ -16,7 +16,7 @@ NGRAM_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 @pytest.fixture
 def model(make_model_dir):
-    return str(make_model_dir(max_position_embeddings=512))
+    return str(make_model_dir(max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2))
 
 
 def spec(**keys) -> str:
