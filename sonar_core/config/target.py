@@ -68,6 +68,9 @@ class TargetInfo:
     max_position_embeddings: int | None
     # The engine's tensor-parallel size for this model (not a property of the checkpoint).
     tensor_parallel_size: int = 1
+    # The engine's pipeline stages (always 1 today: the engine refuses more); methods that cannot
+    # run on a pipeline (DSpark) check it, for when pipeline parallelism exists.
+    pipeline_parallel_size: int = 1
     # The raw config (config.json, or the equivalent keys of a GGUF file's metadata).
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Where the config was read from, for messages.
@@ -141,6 +144,10 @@ class TargetInfo:
 
     def with_tensor_parallel_size(self, tensor_parallel_size: int) -> TargetInfo:
         return replace(self, tensor_parallel_size=tensor_parallel_size)
+
+    def with_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> TargetInfo:
+        """This target as an engine of these sizes runs it."""
+        return replace(self, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
 
     def config_value(self, key: str) -> Any:
         """A key of the raw config, or of its ``text_config`` for multimodal configs (None if absent)."""

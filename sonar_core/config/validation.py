@@ -156,6 +156,7 @@ def validate_config(
         target = target_info_for(
             engine.model, revision=engine.revision, tensor_parallel_size=engine.tensor_parallel_size
         )
+    target = target.with_parallelism(engine.tensor_parallel_size, engine.pipeline_parallel_size)
     engine = validate_engine_config(engine, target)
     _check_tokenizer(engine)
     if engine.speculative_config is None:

@@ -97,3 +97,18 @@ def test_a_missing_markov_tensor_and_an_unknown_head_type_are_named(target, draf
 def test_parallel_drafting_may_not_be_set(target, drafter):
     with pytest.raises(ConfigError, match="selects parallel drafting automatically"):
         _check(target, model=str(drafter), parallel_drafting=False)
+
+
+def test_a_pipeline_is_refused_with_the_guides_alternatives(target, drafter):
+    """The engine refuses pipelines today; DSpark's own rule stands for when it has them."""
+    from sonar_core.config import validate_speculative_config
+    from sonar_core.config.target import target_info_for
+    from sonar_core.plugins.manager import get_plugin_manager
+
+    piped = target_info_for(str(target)).with_parallelism(1, 2)
+    config = {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7}
+    with pytest.raises(ConfigError) as info:
+        validate_speculative_config(config, piped, get_plugin_manager(), log_warnings=False)
+    assert info.value.field == "speculative_config.method"
+    assert "DSpark does not support pipeline parallelism" in info.value.message
+    assert "tensor parallelism" in info.value.fix and "data parallelism" in info.value.fix

@@ -134,7 +134,8 @@ def sonar_validate_speculative_config(
     config: SpeculativeConfig, target: TargetInfo | None, options: DSparkOptions | None
 ) -> list[str] | None:
     """A drafter in a published layout (or embedded) that fits the target; num_speculative_tokens at
-    least the block size; no explicit parallel_drafting; a non-causal attention backend."""
+    least the block size; no explicit parallel_drafting; a non-causal attention backend; no
+    pipeline stages (the guide's rule, checked here for when the engine has pipelines)."""
     if config.method != METHOD:
         return None
     for error in (parallel_drafting_refused(config), non_causal_backend_refused(config)):
@@ -142,6 +143,13 @@ def sonar_validate_speculative_config(
             raise error
     if target is None:
         return None
+    if target.pipeline_parallel_size > 1:
+        raise ConfigError(  # on the method: the engine's pipeline_parallel_size is fine for others
+            "method",
+            f"DSpark does not support pipeline parallelism; pipeline_parallel_size={target.pipeline_parallel_size}",
+            "use tensor parallelism (--tensor-parallel-size) or data parallelism (--data-parallel-size) for a "
+            "DSpark deployment",
+        )
     checkpoint, layout, _ = _checked(config.model, target, target.checkpoint_folder, options.confidence_threshold)
     if config.num_speculative_tokens < layout.block_size:
         raise ConfigError(
