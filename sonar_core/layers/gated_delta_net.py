@@ -26,7 +26,7 @@ before ``out_proj``, so nothing else crosses ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,11 +85,7 @@ class GatedDeltaNetConfig:
 
     def shard(self, parallel: TensorParallel) -> GatedDeltaNetConfig:
         """The layer one rank builds: its share of the key heads and of the value heads they serve."""
-        if parallel.size == 1:
-            return self
-        return replace(
-            self, num_k_heads=parallel.split(self.num_k_heads), num_v_heads=parallel.split(self.num_v_heads)
-        )
+        return parallel.split_fields(self, "num_k_heads", "num_v_heads")
 
     @property
     def key_dim(self) -> int:

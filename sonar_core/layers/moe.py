@@ -35,7 +35,7 @@ small matmuls, with weights prepacked like every other projection.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,13 +94,7 @@ class MoEConfig:
 
     def shard(self, parallel: TensorParallel) -> MoEConfig:
         """The block one rank builds: its share of every expert's (and shared expert's) columns."""
-        if parallel.size == 1:
-            return self
-        return replace(
-            self,
-            moe_intermediate_size=parallel.split(self.moe_intermediate_size),
-            gated_shared_expert_size=parallel.split(self.gated_shared_expert_size),
-        )
+        return parallel.split_fields(self, "moe_intermediate_size", "gated_shared_expert_size")
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> MoEConfig:

@@ -17,12 +17,14 @@ import pickle
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 # A collective of the forward pass that waits this long has lost a rank that is still alive
 # but stuck; a rank that exits closes its sockets and fails the collective at once instead.
@@ -76,6 +78,13 @@ class TensorParallel:
         if total % self.size:
             raise ValueError(f"{total} does not split evenly over {self.size} tensor-parallel ranks")
         return total // self.size
+
+    def split_fields(self, config: T, *names: str) -> T:
+        """``config`` (a dataclass) with each named count replaced by this rank's share: the shape
+        one rank builds of a layer whose heads or columns are split."""
+        if self.size == 1:
+            return config
+        return replace(config, **{name: self.split(getattr(config, name)) for name in names})
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's contiguous slice of ``tensor`` along ``dim``."""

@@ -11,7 +11,7 @@ proposer on the driver reads whole hidden states and shares a whole embedding an
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -72,11 +72,4 @@ def shard_weights(
 
 def shard_layer_config(config: DecoderLayerConfig, parallel: TensorParallel) -> DecoderLayerConfig:
     """The layer shape one rank builds: its share of the heads, KV heads and MLP columns."""
-    if parallel.size == 1:
-        return config
-    return replace(
-        config,
-        num_heads=parallel.split(config.num_heads),
-        num_kv_heads=parallel.split(config.num_kv_heads),
-        intermediate_size=parallel.split(config.intermediate_size),
-    )
+    return parallel.split_fields(config, "num_heads", "num_kv_heads", "intermediate_size")
