@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 from sonar_core.bench.figures import Distribution, e2e, ttft
 from sonar_core.bench.results import RowResult
+from sonar_core.cpu_features import cpu_model, kernel_flags
 
 MIB = 1 << 20
 COLUMNS = (
@@ -38,27 +38,11 @@ class TableMeta:
     load_after: tuple[float, float, float] | None = None
 
 
-# The instruction-set extensions that decide which CPU kernels run fast, in the order named.
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
-
-
 def machine_description() -> str:
     """CPU model, core count and kernel-relevant instruction sets (the figures mean little
     without them: an AVX2-only machine and one with AMX run different kernels)."""
-    model = platform.processor() or platform.machine()
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    present = [flag for flag in KERNEL_FLAGS if flag in flags]
-    return f"{model}, {os.cpu_count()} cores" + (f" ({', '.join(present)})" if present else "")
+    flags = kernel_flags()
+    return f"{cpu_model()}, {os.cpu_count()} cores" + (f" ({', '.join(flags)})" if flags else "")
 
 
 def _ms(dist: Distribution) -> str:

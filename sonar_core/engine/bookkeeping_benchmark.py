@@ -30,6 +30,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from sonar_core.cpu_features import cpu_model
+
 TEXT = (
     "The engine schedules requests, runs the model over their new tokens, samples, and then does "
     "its bookkeeping: stop conditions, detokenization, outputs. Café, naïve, déjà vu; 日本語; 😀🎉. "
@@ -149,16 +151,6 @@ def _baseline(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[100, 1000, 4000])
@@ -174,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(current))
         return
-    print(f"CPU: {_cpu_model()}; Python {platform.python_version()}; 1-minute load {load_before:.2f} before, "
+    print(f"CPU: {cpu_model()}; Python {platform.python_version()}; 1-minute load {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after; batch {args.batch}, fastest of {args.repeats} runs")
     print()
     if baseline is None:

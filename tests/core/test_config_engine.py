@@ -72,7 +72,7 @@ def test_unknown_dtype():
 
 
 def test_resolved_dtype_and_device():
-    assert EngineConfig(device="cpu").torch_dtype() == torch.float32
+    assert EngineConfig(device="cpu", dtype="fp32").torch_dtype() == torch.float32
     assert EngineConfig(device="cpu", dtype="bf16").torch_dtype() == torch.bfloat16
     assert EngineConfig(device="cpu").torch_device() == torch.device("cpu")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,3 +186,13 @@ def test_model_that_does_not_exist(tmp_path):
         validate_config({"model": str(tmp_path / "missing")}, get_plugin_manager(load_entry_points=False))
     assert info.value.field == "model"
     assert "local folder" in info.value.fix
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_on_the_cpu_follows_native_bfloat16(monkeypatch, native, expected):
+    """bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX), float32 elsewhere."""
+    from sonar_core.config import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "native_bf16", lambda: native)
+    assert EngineConfig(device="cpu").resolved_dtype() == expected
+    assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == "float32"
