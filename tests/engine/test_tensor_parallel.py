@@ -122,6 +122,23 @@ def test_speculation_over_two_ranks_is_lossless(qwen3: Path, qwen3_plain: list, 
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
 
 
+def test_seeded_sampling_over_two_ranks_draws_what_one_rank_draws(qwen3: Path):
+    """The sampler runs once, on the driver, from logits the ranks agree on: a seeded request
+    draws the same tokens (a float32 logit may move in its last bits, which a seeded uniform draw
+    meets with negligible probability)."""
+    from aphrodite import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    drawn = {}
+    for size in (1, 2):
+        llm = LLM(model=str(qwen3), dtype="float32", device="cpu", tensor_parallel_size=size,
+                  speculative_config=config)
+        drawn[size] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.engine.close()
+    assert drawn[2] == drawn[1]
+
+
 def test_a_split_draft_model_holds_half_its_kv_heads(qwen3: Path, tmp_path: Path):
     config = _draft_model(qwen3, tmp_path / "draft", 2)
     _, llm = greedy_outputs(qwen3, PROMPTS[:1], config, tensor_parallel_size=2, max_tokens=4)
