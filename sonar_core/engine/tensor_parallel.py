@@ -325,7 +325,7 @@ class TensorParallelWorkers:
             kwargs.get("field", "model"),
         )
         # The folder is resolved (downloaded, converted) once, here; every rank loads from it.
-        self._broadcast(LoadModel(key, {k: v for k, v in kwargs.items() if k != "device"}))
+        self.send(LoadModel(key, {k: v for k, v in kwargs.items() if k != "device"}))
         self.keys.add(key)
         loaded, error = None, None
         try:
@@ -342,13 +342,13 @@ class TensorParallelWorkers:
     def allocate_kv(self, key: str, specs: list[KVLayerSpec], num_blocks: int, block_size: int,
                     dtype: torch.dtype) -> None:
         """The workers' paged caches for model ``key`` (the driver allocates its own)."""
-        self._broadcast(AllocateKV(key, specs, num_blocks, block_size, dtype))
+        self.send(AllocateKV(key, specs, num_blocks, block_size, dtype))
         self._gather_setup(None)
 
     def allocate_states(self, key: str, specs: list[StateLayerSpec], num_slots: int, max_positions: int,
                         dtype: torch.dtype) -> None:
         """The workers' recurrent states for model ``key`` (:class:`MirroredStateCache` calls it)."""
-        self._broadcast(AllocateStates(key, specs, num_slots, max_positions, dtype))
+        self.send(AllocateStates(key, specs, num_slots, max_positions, dtype))
         self._gather_setup(None)
 
     def _gather_setup(self, own_error: str | None) -> None:
@@ -363,19 +363,16 @@ class TensorParallelWorkers:
     # ------------------------------------------------------------------------------- per step
     def forward(self, run: Callable[[], torch.Tensor], command: Forward) -> torch.Tensor:
         """Send ``command`` to the workers, then run the driver's share (``run``)."""
-        self._broadcast(command)
+        self.send(command)
         try:
             return run()
         except RuntimeError as exc:
-            if self.size > 1 and _is_collective_failure(exc):
+            if _is_collective_failure(exc):
                 raise self._failure(exc) from None
             raise
 
     def send(self, command: Any) -> None:
-        """Broadcast one command to the workers."""
-        self._broadcast(command)
-
-    def _broadcast(self, command: Any) -> None:
+        """Broadcast one command to the workers (refused once a rank has died)."""
         if self.dead is not None:
             raise TensorParallelError(self.dead)
         try:

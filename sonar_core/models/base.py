@@ -123,12 +123,13 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the Hugging Face checkpoint; strict (see ``load_named_weights``)."""
 
-    def shard_rules(self) -> tuple[ShardRule, ...]:
+    def shard_rules(self) -> tuple[ShardRule, ...] | None:
         """How the checkpoint's tensors split over tensor-parallel ranks, for a model built in a
         :func:`~sonar_core.layers.tensor_parallel.tensor_parallel_scope` (the loader slices each tensor
-        before :meth:`load_weights` sees it). Families that cannot split do not override it;
-        configuration checks refuse them first (:mod:`sonar_core.config.parallel`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be split over tensor-parallel ranks")
+        before :meth:`load_weights` sees it); None for a family that cannot split. The torch-free
+        configuration checks name the same families (:data:`sonar_core.config.parallel.SPLIT_COUNTS`;
+        a test keeps the two in step) and refuse the others before anything loads."""
+        return None
 
 
 class LayerStackLM(CausalLM):

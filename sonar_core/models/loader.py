@@ -117,7 +117,12 @@ def load_model(
     claimed = claimed_by(claimed_prefixes)
     weights = iter_checkpoint(model_dir, include=lambda name: not claimed(name))
     parallel = current_tensor_parallel()
-    net.load_weights(weights if parallel.size == 1 else shard_weights(weights, net.shard_rules(), parallel))
+    if parallel.size > 1:
+        rules = net.shard_rules()
+        if rules is None:
+            raise ValueError(f"{type(net).__name__} cannot be split over tensor-parallel ranks")
+        weights = shard_weights(weights, rules, parallel)
+    net.load_weights(weights)
     return LoadedModel(
         model=net,
         hf_config=hf_config,

@@ -214,6 +214,17 @@ def test_a_split_draft_must_divide_too(qwen3: Path, tmp_path: Path):
     assert info.value.field == "speculative_config.draft_tensor_parallel_size"
 
 
+def test_the_configuration_rules_and_the_models_name_the_same_splittable_families():
+    """SPLIT_COUNTS (torch-free, for the checks) and the classes' shard_rules must agree."""
+    from sonar_core.config.parallel import SPLIT_COUNTS
+    from sonar_core.models.base import CausalLM
+    from sonar_core.models.registry import BUILTIN_ARCHITECTURES, get_model_class
+
+    for architecture in BUILTIN_ARCHITECTURES:
+        cls = get_model_class({"architectures": [architecture]})
+        assert (cls.shard_rules is not CausalLM.shard_rules) == (architecture in SPLIT_COUNTS), architecture
+
+
 def test_more_ranks_than_cores_is_a_warning():
     assert cpu_oversubscription_warning(usable_cores()) is None
     assert "more ranks than this machine has cores" in cpu_oversubscription_warning(usable_cores() + 1)
