@@ -39,6 +39,11 @@ def kernel_flags() -> list[str]:
     return [flag for flag in KERNEL_FLAGS if flag in flags]
 
 
+def cpu_flags() -> frozenset[str]:
+    """Every instruction-set flag /proc/cpuinfo lists (empty where it is not readable)."""
+    return _cpuinfo()[1]
+
+
 def native_bf16() -> bool:
     """Whether the CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX)."""
     return bool(NATIVE_BF16_FLAGS & _cpuinfo()[1])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from sonar_core import cpu_kernels
 from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.config import EngineConfig, SpeculativeConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager, resolve_prefix_caching
@@ -176,9 +177,10 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens "
-            "prefix_caching=%s%s",
+            "prefix_caching=%s%s%s",
             self.model_name, self.dtype, self.device, self.max_model_len, num_blocks, config.block_size,
             "on" if self.prefix_caching else "off",
+            f" cpu_kernels={'on' if cpu_kernels.load() is not None else 'off'}" if self.device.type == "cpu" else "",
             f" speculative={config.speculative_config.method}" if plan else "",
         )
 

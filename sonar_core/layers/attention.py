@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache, StateBatch
+
+# Up to this many new tokens per sequence, Sonar's CPU kernel attends over the paged cache where
+# it lies (decode and draft verification); longer queries (prefill chunks) gather the context once
+# and use PyTorch's blocked SDPA, whose matmuls win once the gather is shared by many queries.
+IN_PLACE_MAX_QUERY_LEN = 32
 
 
 @dataclass
@@ -285,6 +291,10 @@ class PagedAttention(nn.Module):
         """Write ``[T, num_kv_heads, head_dim]`` keys and values at their flat cache slots, without
         attending (block drafters write their context's K/V this way)."""
         k_cache, v_cache = kv_cache
+        kernels = cpu_kernels.for_tensor(k, v)
+        if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.dtype == k.dtype:
+            kernels.store_kv_(k, v, k_cache, v_cache, slot_mapping)
+            return
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
 
@@ -308,6 +318,20 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         kv_heads, head_dim, n_rep = self.num_kv_heads, self.head_dim, self.n_rep
         window = self.sliding_window
+
+        kernels = cpu_kernels.for_tensor(q) if metadata.max_query_len <= IN_PLACE_MAX_QUERY_LEN else None
+        if kernels is not None and q.stride(-1) == 1 and k_cache.dtype == q.dtype:
+            return kernels.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                self.scale,
+                metadata.causal,
+                window or 0,
+            )
 
         num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
         ids = metadata.context_block_ids

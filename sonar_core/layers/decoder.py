@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.linear import Linear, output_projection
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
-from sonar_core.layers.rotary import apply_rotary
+from sonar_core.layers.rotary import rotate_
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -140,7 +141,7 @@ class SelfAttention(nn.Module):
         v = qkv[:, q_rows + kv_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = apply_rotary(qk, cos, sin)
+        qk = rotate_(qk, cos, sin)  # qk is this step's own projection (or a copy of it)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v, gate
 
 
@@ -162,6 +163,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels.for_tensor(gate_up) if self.act is F.silu else None
+        if kernels is not None and gate_up.is_contiguous():
+            return self.down_proj(kernels.silu_and_mul(gate_up))
         inter = self.intermediate_size
         return self.down_proj(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
 
@@ -185,5 +189,6 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """``hidden`` ``[T, hidden_size]`` -> the layer's output ``[T, hidden_size]``."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden + self.mlp(normed)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
@@ -24,10 +26,28 @@ class RMSNorm(nn.Module):
         self._shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.for_tensor(x, self.weight)
+        if kernels is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+            return kernels.rms_norm(x.view(-1, self._shape[0]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             # One fused kernel: same arithmetic as the general branch when no cast is involved.
             return F.rms_norm(x, self._shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self._shape, None, self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: a decoder layer's residual add and the norm
+        after it, in one pass where Sonar's CPU kernels run."""
+        kernels = cpu_kernels.for_tensor(x, residual, self.weight)
+        if (
+            kernels is not None
+            and x.dim() == 2
+            and x.is_contiguous()
+            and residual.is_contiguous()
+            and x.dtype == residual.dtype == self.weight.dtype
+        ):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = residual + x
+        return self(summed), summed
 
     def extra_repr(self) -> str:
         return f"{self._shape[0]}, eps={self.eps}"

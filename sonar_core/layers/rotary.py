@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from sonar_core import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
@@ -160,3 +162,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     if rotary_dim < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
     return torch.addcmul(x * cos, x.roll(rotary_dim // 2, dims=-1), signed_sin)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary`, overwriting ``x`` where Sonar's CPU kernel can (one pass, no rolled
+    copy); returns the rotated tensor, which is ``x`` itself on that path and a new one otherwise.
+    For a caller that owns ``x`` (a fresh projection's output) and no longer needs it unrotated."""
+    kernels = cpu_kernels.for_tensor(x)
+    if kernels is None or x.dim() != 3 or x.stride(-1) != 1:
+        return apply_rotary(x, cos, signed_sin)
+    tokens = cos.shape[0]
+    return kernels.rotary_embedding_(x, cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sonar_core import cpu_kernels
 from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet, HubError
 from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
@@ -123,6 +124,8 @@ def load_model(
             raise ValueError(f"{type(net).__name__} cannot be split over tensor-parallel ranks")
         weights = shard_weights(weights, rules, parallel)
     net.load_weights(weights)
+    if torch.device(device).type == "cpu":
+        cpu_kernels.load()  # built (once per machine) or loaded now, not inside the first request
     return LoadedModel(
         model=net,
         hf_config=hf_config,

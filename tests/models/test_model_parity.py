@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from sonar_core import cpu_kernels
 from sonar_core.layers.linear import Linear, cpu_prepack_available, drop_prepacked, prepack_linears
 from sonar_core.models.loader import load_model
 
@@ -75,6 +76,16 @@ def test_logits_match_transformers(arch, tied, extra, checkpoints, paged_runner,
     path = checkpoints.get(arch, tie_word_embeddings=tied, **extra)
     model = load_model(path, torch.float32, "cpu").model
     assert_mixed_batch_parity(model, hf_reference(path), paged_runner, steps=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logits_match_transformers_on_the_pytorch_operators(arch, checkpoints, paged_runner, hf_reference):
+    """The same parity where Sonar's CPU kernels are not in use (no compiler, SONAR_CPU_KERNELS=0):
+    the cases above run on the kernels wherever they are built."""
+    path = checkpoints.get(arch, **({"head_dim": 32} if arch == "qwen3" else {}))
+    model = load_model(path, torch.float32, "cpu").model
+    with cpu_kernels.disabled():
+        assert_mixed_batch_parity(model, hf_reference(path), paged_runner, steps=4)
 
 
 def assert_mixed_batch_parity(model, hf, paged_runner, steps: int, verify_from: int | None = None, label: str = "") -> None:

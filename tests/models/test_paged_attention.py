@@ -8,11 +8,23 @@ import random
 import pytest
 import torch
 
+from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.rotary import RopeConfig
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
+
+
+@pytest.fixture(autouse=True, params=["cpu-kernels", "pytorch"])
+def attention_path(request):
+    """Every case on both CPU paths: Sonar's kernel reading the cache in place (where it is built)
+    and the gather + PyTorch SDPA path (prefill chunks, CUDA, machines without a compiler)."""
+    if request.param == "pytorch":
+        with cpu_kernels.disabled():
+            yield request.param
+    else:
+        yield request.param
 
 
 def naive_attention(q, keys, values, query_len, causal, window=None):

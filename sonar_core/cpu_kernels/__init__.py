@@ -1,0 +1,180 @@
+"""Sonar's own CPU kernels (``csrc/cpu_ops.cpp``): attention that reads the paged KV cache in place,
+and the fused element-wise steps of a decoder layer (norms with the residual add, RoPE in place,
+the MLP's activation, cache writes).
+
+Why: at decode batch sizes a step of a small model on the CPU is a chain of about 40 PyTorch
+operators per layer, and beside the matmuls most of the time is their fixed cost (dispatch, thread
+wake-ups, dtype round trips) plus copying every request's whole context out of the paged cache
+each layer. These kernels do the same arithmetic in about ten calls per layer, and attention reads
+each key and value once, where it lies.
+
+They are compiled on first use with the machine's C++ compiler (about a minute) for this CPU
+(``-march=native``), and cached under ``$SONAR_CACHE_DIR/cpu-kernels`` keyed by the source, the
+compiler flags, the torch version and the CPU's instruction sets; a later start loads the cached
+library in milliseconds. Where no compiler is, or the build fails, Sonar logs one line and keeps
+the PyTorch operators (same results up to float rounding). ``SONAR_CPU_KERNELS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sonar_core.cpu_features import cpu_flags
+from sonar_core.model_files import cache_root
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "SONAR_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+# The dtypes the kernels are compiled for.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# -fno-math-errno lets the compiler call the vectorised exp of glibc's libmvec.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared", "-DNDEBUG")
+
+
+class _State:
+    """Whether the kernels are loaded; filled once per process by :func:`load`."""
+
+    lock = threading.Lock()
+    tried = False
+    ops: Any = None
+    problem: str | None = None
+    # Tests and benchmarks switch the kernels off for a block (:func:`disabled`).
+    forced_off = 0
+
+
+def enabled_by_environment() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def load() -> Any:
+    """The ``torch.ops.sonar`` namespace once the kernels are loaded (building them if needed), or
+    None where they cannot be (switched off, no compiler, a failed build: logged once)."""
+    if _State.tried:
+        return _State.ops
+    with _State.lock:
+        if not _State.tried:
+            _State.ops, _State.problem = _load_or_build()
+            _State.tried = True
+    return _State.ops
+
+
+def problem() -> str | None:
+    """Why the kernels are not in use (None when they are, or were never asked for)."""
+    return _State.problem
+
+
+def for_tensor(x: torch.Tensor, *others: torch.Tensor) -> Any:
+    """The kernels, when they can stand in for PyTorch's operators on ``x``: a CPU tensor of a
+    compiled dtype, with nothing autograd would have to record (the kernels have no backward, so
+    training keeps the PyTorch path; ``others`` are the op's other tensor inputs, such as a
+    trainable weight). None otherwise."""
+    if _State.forced_off or x.device.type != "cpu" or x.dtype not in DTYPES:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
+        return None
+    return _State.ops if _State.tried else load()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the block on PyTorch's operators (parity tests compare both paths)."""
+    _State.forced_off += 1
+    try:
+        yield
+    finally:
+        _State.forced_off -= 1
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, compiler flags, torch and CPU lives."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(COMPILE_FLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(sys.version.encode())
+    key.update(" ".join(sorted(cpu_flags())).encode())
+    return cache_root() / "cpu-kernels" / key.hexdigest()[:16] / "sonar_cpu_ops.so"
+
+
+def _load_or_build() -> tuple[Any, str | None]:
+    if not enabled_by_environment():
+        return None, f"{ENV_SWITCH}=0"
+    if sys.platform != "linux":
+        return None, "the CPU kernels are built for Linux only"
+    try:
+        path = library_path()
+        if not path.exists():
+            _build(path)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        logger.warning("Sonar's CPU kernels are not available (%s); using PyTorch's operators", reason)
+        return None, reason
+    return torch.ops.sonar, None
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    if found is None:
+        raise OSError(f"no C++ compiler ({compiler!r} not found; set CXX or install g++)")
+    return found
+
+
+def compile_command(compiler: str, source: Path, output: Path) -> list[str]:
+    """The compiler call that builds the library against this torch."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{path}" for path in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    libraries = [arg for path in library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}")]
+    return [
+        compiler,
+        *COMPILE_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        str(source),
+        "-o",
+        str(output),
+        *libraries,
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _build(path: Path) -> None:
+    """Compile the library into ``path``; one process builds while the others wait for it."""
+    compiler = _compiler()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another process built it while this one waited
+            return
+        logger.info("building Sonar's CPU kernels for this CPU (once; cached in %s)", path.parent)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            partial = Path(scratch) / path.name
+            result = subprocess.run(
+                compile_command(compiler, SOURCE, partial), capture_output=True, text=True, check=False
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+            os.replace(partial, path)
+        logger.info("Sonar's CPU kernels built in %.0f s", time.perf_counter() - start)

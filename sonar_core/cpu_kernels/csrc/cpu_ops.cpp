@@ -1,0 +1,381 @@
+// Sonar's CPU kernels, registered as torch operators in the `sonar` namespace.
+//
+// * paged_attention: attention of a step's new queries over each sequence's context, read from the
+//   paged KV cache where it lies (no gather of the context into a padded copy, no mask tensor).
+// * store_kv_: the step's new keys and values into their cache slots, in one pass.
+// * rotary_embedding_: RoPE applied in place to a strided [T, heads, head_dim] view.
+// * rms_norm, add_rms_norm: RMSNorm, and the residual add fused with the norm after it.
+// * silu_and_mul: the gated MLP's activation times the up projection.
+//
+// Every kernel computes in float32 and rounds to the tensor's dtype exactly where the PyTorch
+// operators it replaces round (each PyTorch element-wise op rounds its result), so bfloat16
+// results agree with the eager path to the last bit wherever the arithmetic is the same (the
+// reductions of the norm and attention may differ by float32 rounding). Each query row of the
+// attention is computed the same way whatever else is in the batch, so verifying k drafts gives the
+// same numbers as decoding them one by one.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// `omp simd` lets the compiler split the sum over vector lanes (a fixed order for a given build,
+// whatever the batch holds).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
+  return sum;
+}
+
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// Rounds to T and back: the value a PyTorch op of dtype T would hand to the next op.
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "sonar CPU kernel: ", name, " must be on the CPU");
+}
+
+// ---- attention over the paged cache ---------------------------------------------------------
+
+template <typename T>
+void paged_attention_kernel(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, bool causal, int64_t window,
+    at::Tensor& out) {
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t n_rep = num_heads / kv_heads;
+  const int64_t num_seqs = seq_lens.size(0), table_width = block_tables.size(1);
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t kv_slot_stride = kv_heads * head_dim;
+
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  T* out_ptr = out.data_ptr<T>();
+
+  std::vector<int64_t> token_seq(num_tokens);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(starts[b] <= starts[b + 1] && starts[b + 1] <= num_tokens, "paged_attention: bad query_start_loc");
+    TORCH_CHECK(lens[b] >= starts[b + 1] - starts[b], "paged_attention: seq_lens shorter than the queries");
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= table_width, "paged_attention: block table too short");
+    for (int64_t t = starts[b]; t < starts[b + 1]; ++t) token_seq[t] = b;
+    longest = std::max(longest, lens[b]);
+  }
+  TORCH_CHECK(starts[num_seqs] == num_tokens, "paged_attention: query_start_loc does not cover the queries");
+
+  const int64_t items = num_tokens * num_heads;
+  // One (query, head) pair reads its whole context; below a few thousand multiply-adds per pair
+  // the threads would cost more than they save.
+  const int64_t grain = longest * head_dim >= 4096 ? 1 : items;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(head_dim), acc(head_dim), scores(longest);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_heads, h = item % num_heads, g = h / n_rep;
+      const int64_t b = token_seq[t];
+      const int64_t query_len = starts[b + 1] - starts[b];
+      const int64_t seq_len = lens[b];
+      const int64_t pos = seq_len - query_len + (t - starts[b]);
+      const int64_t last = causal ? pos : seq_len - 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t* table = tables + b * table_width;
+
+      const T* qrow = q_ptr + t * q_token_stride + h * q_head_stride;
+      for (int64_t d = 0; d < head_dim; ++d) query[d] = static_cast<float>(qrow[d]);
+
+      // Keys first..last, walked block by block (no division per key).
+      const int64_t count = last - first + 1;
+      const int64_t kv_offset = g * head_dim;
+      float max_score = -std::numeric_limits<float>::infinity();
+      float* w = scores.data();
+      for (int64_t p = first; p <= last;) {
+        const int64_t block = table[p / block_size], offset = p % block_size;
+        const int64_t run = std::min(block_size - offset, last - p + 1);
+        const T* krow = k_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
+        for (int64_t i = 0; i < run; ++i, krow += kv_slot_stride) {
+          const float s = dot(query.data(), krow, head_dim) * fscale;
+          w[p - first + i] = s;
+          max_score = std::max(max_score, s);
+        }
+        p += run;
+      }
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < count; ++i) {
+        w[i] = std::exp(w[i] - max_score);
+        total += w[i];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float* a = acc.data();
+      for (int64_t p = first; p <= last;) {
+        const int64_t block = table[p / block_size], offset = p % block_size;
+        const int64_t run = std::min(block_size - offset, last - p + 1);
+        const T* vrow = v_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
+        for (int64_t i = 0; i < run; ++i, vrow += kv_slot_stride) {
+          const float wp = w[p - first + i];
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += wp * static_cast<float>(vrow[d]);
+        }
+        p += run;
+      }
+      T* orow = out_ptr + t * num_heads * head_dim + h * head_dim;
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<T>(acc[d] * inv);
+    }
+  });
+}
+
+at::Tensor paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, bool causal, int64_t window) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &block_tables, &seq_lens, &query_start_loc}) check_cpu(*t, "input");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention: q must be [T, heads, head_dim], last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "paged_attention: caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_attention: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention: head_dim or head counts do not match the cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "paged_attention: metadata must be int64");
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const auto starts = query_start_loc.contiguous();
+  TORCH_CHECK(starts.numel() == lens.numel() + 1 && tables.size(0) == lens.numel(),
+              "paged_attention: metadata sizes do not agree");
+  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    paged_attention_kernel<scalar_t>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+  });
+  return out;
+}
+
+// ---- cache writes and rotary ----------------------------------------------------------------
+
+template <typename T>
+void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  const int64_t heads = src.size(1), head_dim = src.size(2);
+  const int64_t slot_stride = heads * head_dim;
+  const T* s = src.data_ptr<T>();
+  T* c = cache.data_ptr<T>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy_n(s + t * src.stride(0) + h * src.stride(1), head_dim, c + slots[t] * slot_stride + h * head_dim);
+    }
+  }
+}
+
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+               const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&k, &v, &slot_mapping}) check_cpu(*t, "input");
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
+              "store_kv_: k and v must be [T, kv_heads, head_dim], last dim contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kv_: caches must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "store_kv_: dtypes of k/v and the caches differ");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && v_cache.size(2) == v.size(1) &&
+                  v_cache.size(3) == v.size(2),
+              "store_kv_: head shapes do not match the caches");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t num_tokens = k.size(0);
+  TORCH_CHECK(slots.numel() == num_tokens && v.size(0) == num_tokens, "store_kv_: one slot per token");
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "store_kv_: slot ", s[t], " outside the cache");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv_", [&] {
+    store_rows<scalar_t>(k, k_cache, s, num_tokens);
+    store_rows<scalar_t>(v, v_cache, s, num_tokens);
+  });
+}
+
+template <typename T>
+void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t num_tokens = x.size(0), heads = x.size(1), rotary_dim = cos.size(1), half = rotary_dim / 2;
+  T* base = x.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* ct = c + t * rotary_dim;
+      const T* st = s + t * rotary_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = base + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(row[i]), x2 = static_cast<float>(row[i + half]);
+          // x * cos rounds (one op), then + rotate_half(x) * signed_sin rounds (addcmul).
+          const float a1 = rounded<T>(x1 * static_cast<float>(ct[i]));
+          const float a2 = rounded<T>(x2 * static_cast<float>(ct[i + half]));
+          row[i] = static_cast<T>(a1 + x2 * static_cast<float>(st[i]));
+          row[i + half] = static_cast<T>(a2 + x1 * static_cast<float>(st[i + half]));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rotary_embedding_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_cpu(x, "x");
+  check_cpu(cos, "cos");
+  check_cpu(signed_sin, "signed_sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding_: x must be [T, heads, head_dim], last dim contiguous");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.sizes() == signed_sin.sizes() && cos.dim() == 2,
+              "rotary_embedding_: cos and sin must be contiguous [T, rotary_dim]");
+  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0,
+              "rotary_embedding_: tables do not fit x");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
+              "rotary_embedding_: tables and x must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_embedding_", [&] {
+    rotary_kernel<scalar_t>(x, cos, signed_sin);
+  });
+  return x;
+}
+
+// ---- norms and the MLP activation -----------------------------------------------------------
+
+// out = weight * round(x / rms(x)), the order of sonar_core.layers.norms.RMSNorm; with `residual`,
+// x = round(x + residual) first and is returned too.
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                     at::Tensor& out, at::Tensor* summed) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = summed ? summed->data_ptr<T>() : nullptr;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * width;
+      if (rp) {
+        T* srow = sp + r * width;
+        const T* rrow = rp + r * width;
+        for (int64_t i = 0; i < width; ++i) srow[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(rrow[i]));
+        row = srow;
+      }
+      const float inv = 1.f / std::sqrt(sum_of_squares(row, width) / static_cast<float>(width) + feps);
+      T* orow = op + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        orow[i] = static_cast<T>(static_cast<float>(w[i]) * rounded<T>(static_cast<float>(row[i]) * inv));
+      }
+    }
+  });
+}
+
+void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [rows, width]");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [width] of x's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x, nullptr, weight, eps, out, nullptr);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor& weight, double eps) {
+  check_norm_inputs(x, weight);
+  check_cpu(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be contiguous and shaped like x");
+  auto out = at::empty_like(x);
+  auto summed = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x, &residual, weight, eps, out, &summed);
+  });
+  return {out, summed};
+}
+
+template <typename T>
+void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * width;
+      const T* up = gate + width;
+      T* orow = op + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        orow[i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be contiguous [rows, 2 * width] (gate then up)");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(x, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sonar, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, bool causal, int window) -> Tensor");
+  m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> Tensor(a!)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sonar, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("store_kv_", &store_kv_);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

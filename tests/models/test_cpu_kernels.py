@@ -1,0 +1,169 @@
+"""Sonar's CPU kernels against the PyTorch operators they stand in for, and the fallback where
+they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sonar_core import cpu_kernels
+from sonar_core.kv import KVLayerSpec, allocate_kv_cache
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention
+from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.rotary import apply_rotary, rotate_
+
+ops = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.problem()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _random(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_and_the_fused_residual_add_match_the_module(dtype):
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = _random(96, dtype=dtype, seed=1)
+    x, residual = _random(7, 96, dtype=dtype), _random(7, 96, dtype=dtype, seed=2)
+    with torch.inference_mode():
+        with cpu_kernels.disabled():
+            expected = norm(residual + x)
+        got_norm = ops.rms_norm(residual + x, norm.weight, 1e-5)
+        got, summed = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(summed, residual + x)  # the add rounds exactly as PyTorch's does
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got_norm, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    if dtype != torch.float32:
+        # The float32 statistics may differ in their last bit; rounded to 16 bits, nearly every
+        # element comes out identical.
+        assert (got == expected).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [16, 8], ids=["full", "partial"])
+def test_rotary_in_place_equals_apply_rotary(dtype, rotary_dim):
+    qkv = _random(5, 4 * 16 + 8, dtype=dtype)
+    qk = qkv[:, : 4 * 16].view(5, 4, 16)  # a strided view of a fused projection, as layers pass it
+    cos, sin = _random(5, 1, rotary_dim, dtype=dtype, seed=3), _random(5, 1, rotary_dim, dtype=dtype, seed=4)
+    expected = apply_rotary(qk.clone(), cos, sin)
+    with torch.inference_mode():
+        got = rotate_(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()
+    if dtype == torch.float32:  # a fused multiply-add may round the last bit differently
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:  # the same rounding steps as x * cos then addcmul: equal to the bit
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_matches_pytorch(dtype):
+    x = _random(6, 2 * 40, dtype=dtype) * 4
+    expected = F.silu(x[:, :40]) * x[:, 40:]
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ops.silu_and_mul(x), expected, rtol=tolerance, atol=tolerance)
+
+
+def _scenario(dtype, context_lens, query_lens, heads=6, kv_heads=2, head_dim=32, block=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    free = torch.randperm(64, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in seq_lens]
+    cache = allocate_kv_cache([KVLayerSpec(kv_heads, head_dim)], 64, block, dtype, "cpu")[0]
+    cache[0].normal_(generator=gen)
+    cache[1].normal_(generator=gen)
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block, torch.device("cpu"))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
+    return q, cache, metadata
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_matches_the_gathering_path(dtype, window):
+    q, cache, metadata = _scenario(dtype, [0, 13, 5, 20], [7, 1, 4, 1])
+    attention = PagedAttention(6, 2, 32, sliding_window=window)
+    with torch.inference_mode():
+        with cpu_kernels.disabled():
+            expected = attention.attend(q, cache, metadata)
+        got = attention.attend(q, cache, metadata)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_verifying_k_tokens_at_once_equals_decoding_them_one_by_one(dtype):
+    """Each query row is computed alike whatever else is in the step: the verification of drafts
+    gives bit-identical attention to decoding the same tokens one at a time."""
+    q, cache, metadata = _scenario(dtype, [9, 30], [4, 3])
+    together = ops.paged_attention(
+        q, *cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, 0.25, True, 0
+    )
+    rows = []
+    for seq, (start, query_len) in enumerate([(0, 4), (4, 3)]):
+        for j in range(query_len):
+            seq_len = metadata.seq_lens[seq] - query_len + j + 1
+            rows.append(
+                ops.paged_attention(
+                    q[start + j : start + j + 1], *cache, metadata.block_tables[seq : seq + 1],
+                    seq_len.view(1), torch.tensor([0, 1]), 0.25, True, 0,
+                )
+            )
+    assert torch.equal(together, torch.cat(rows))
+
+
+def test_store_kv_writes_the_slots_and_refuses_slots_outside_the_cache():
+    cache = allocate_kv_cache([KVLayerSpec(2, 8)], 4, 4, torch.float32, "cpu")[0]
+    k, v = _random(3, 2, 8, dtype=torch.float32), _random(3, 2, 8, dtype=torch.float32, seed=1)
+    slots = torch.tensor([5, 0, 15])
+    ops.store_kv_(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache[0].view(-1, 2, 8)[slots], k)
+    assert torch.equal(cache[1].view(-1, 2, 8)[slots], v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.store_kv_(k, v, cache[0], cache[1], torch.tensor([0, 1, 16]))
+
+
+def test_autograd_keeps_the_pytorch_path():
+    """Training a head needs gradients, which the kernels do not give: the layers fall back."""
+    norm = RMSNorm(8)
+    x = torch.randn(2, 8)
+    norm(x).sum().backward()
+    assert norm.weight.grad is not None
+    assert cpu_kernels.for_tensor(x, norm.weight) is None
+    with torch.no_grad():
+        assert cpu_kernels.for_tensor(x, norm.weight) is ops
+
+
+PROBE = textwrap.dedent(
+    """
+    import logging, torch
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from sonar_core import cpu_kernels
+    from sonar_core.layers.norms import RMSNorm
+    print("kernels:", cpu_kernels.load() is not None)
+    with torch.inference_mode():
+        print("norm runs:", RMSNorm(8)(torch.randn(2, 8)).shape == (2, 8))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "environment,reason",
+    [({"CXX": "/nonexistent/c++"}, "no C++ compiler"), ({"SONAR_CPU_KERNELS": "0"}, None)],
+    ids=["no-compiler", "switched-off"],
+)
+def test_without_a_compiler_or_switched_off_the_pytorch_operators_run(tmp_path, environment, reason):
+    env = {**os.environ, "SONAR_CACHE_DIR": str(tmp_path), **environment}
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=True)
+    assert "kernels: False" in result.stdout and "norm runs: True" in result.stdout
+    if reason:
+        assert reason in result.stderr and "using PyTorch's operators" in result.stderr
+    else:
+        assert result.stderr == ""
