@@ -49,9 +49,11 @@ class StepRecord:
 
     step: int
     loss: float
-    # Teacher-forced acceptance per draft position (see BatchLoss).
+    # Teacher-forced accuracy per draft position (see BatchLoss).
     accuracy: list[float]
     rows: int
+    # Per draft position: the share of drafts right there and at every earlier position (BatchLoss).
+    chained: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -64,13 +66,12 @@ class TrainOutcome:
     def finished(self) -> bool:
         return self.steps_done >= self.total_steps
 
-    def recent_accuracy(self, steps: int = 20) -> list[float]:
-        """Per-position accuracy over the last ``steps`` steps (weighted by rows)."""
-        recent = self.history[-steps:]
-        if not recent:
+    def recent_accuracy(self, steps: int = 20, chained: bool = False) -> list[float]:
+        """Per-position accuracy (or chained accuracy) over the last ``steps`` steps."""
+        recent = [r.chained if chained else r.accuracy for r in self.history[-steps:]]
+        if not recent or not recent[0]:
             return []
-        positions = len(recent[0].accuracy)
-        return [sum(r.accuracy[p] for r in recent) / len(recent) for p in range(positions)]
+        return [sum(r[p] for r in recent) / len(recent) for p in range(len(recent[0]))]
 
 
 def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
@@ -124,6 +125,7 @@ def train(
             loss=result.loss.item(),
             accuracy=[c / n if n else 0.0 for c, n in zip(result.correct, result.counts, strict=True)],
             rows=sum(s.num_rows for s in sequences),
+            chained=[c / n if n else 0.0 for c, n in zip(result.chained, result.counts, strict=True)],
         )
         outcome.history.append(record)
         outcome.steps_done += 1

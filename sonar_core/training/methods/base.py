@@ -11,7 +11,7 @@ accepted, so they matter less (EAGLE-3's and HASS's choice).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,9 +46,13 @@ class BatchLoss:
 
     loss: torch.Tensor
     # Per draft position: rows scored, and rows whose top draft token is the target's top token
-    # (over the head's vocabulary): teacher-forced acceptance of that position.
+    # (over the head's vocabulary): teacher-forced accuracy of that position, each position fed
+    # the right earlier tokens.
     counts: list[int]
     correct: list[int]
+    # Per draft position: rows whose drafts at that position and every earlier one are all right,
+    # what greedy verification accepts (the engine's per-position acceptance, on these rows).
+    chained: list[int] = field(default_factory=list)
 
 
 class HeadTrainer(ABC):
@@ -139,18 +143,33 @@ class PositionLoss:
         self.terms: list[torch.Tensor] = []
         self.counts = [0] * depth
         self.correct = [0] * depth
+        self.chained = [0] * depth
+        self._alive: torch.Tensor | None = None  # per row id: every draft so far right
 
-    def add(self, position: int, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Score ``[R, V']`` draft logits against ``[R]`` target choices at draft ``position``."""
+    def add(self, position: int, logits: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
+        """Score ``[R, V']`` draft logits against ``[R]`` target choices at draft ``position``;
+        ``rows`` names the draft each row continues (the row, or anchor, its chain started from),
+        positions in order, each position's rows among the previous position's."""
         if logits.shape[0] == 0:
             return
         self.terms.append(DEPTH_DECAY**position * F.cross_entropy(logits, labels))
+        right = logits.argmax(-1) == labels
         self.counts[position] += int(logits.shape[0])
-        self.correct[position] += int((logits.argmax(-1) == labels).sum())
+        self.correct[position] += int(right.sum())
+        size = int(rows.max()) + 1
+        alive = torch.zeros(size, dtype=torch.bool)
+        if position == 0 or self._alive is None:
+            alive[rows] = right
+        else:
+            before = torch.zeros(max(size, self._alive.numel()), dtype=torch.bool)
+            before[: self._alive.numel()] = self._alive
+            alive[rows] = right & before[rows]
+        self._alive = alive
+        self.chained[position] += int(alive.sum())
 
     def result(self, reference: nn.Module) -> BatchLoss:
         loss = torch.stack(self.terms).sum() if self.terms else _zero(reference)
-        return BatchLoss(loss, self.counts, self.correct)
+        return BatchLoss(loss, self.counts, self.correct, self.chained)
 
 
 def _zero(module: nn.Module) -> torch.Tensor:

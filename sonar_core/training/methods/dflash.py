@@ -101,7 +101,7 @@ class DFlashTrainer(HeadTrainer):
         for slot in range(1, self.block_size):
             # Labels only where a slot needs one: the full-vocabulary LM head is costly.
             labels = self.target.choices(final[anchors + slot - 1], self.lm_head_rows)
-            losses.add(slot - 1, self.head.compute_logits(slots[:, slot]), labels)
+            losses.add(slot - 1, self.head.compute_logits(slots[:, slot]), labels, anchors)
         return losses.result(self.head)
 
     def block_states(self, batch: FlatBatch, anchors: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ class Eagle3Trainer(HeadTrainer):
         labels = torch.cat([self.labels(s) for s in sequences])
         losses = PositionLoss(self.options.depth)
         for step, rows, out in self.unroll(batch):
-            losses.add(step, self.head.compute_logits(out), labels[rows + step + 1])
+            losses.add(step, self.head.compute_logits(out), labels[rows + step + 1], rows)
         return losses.result(self.head)
 
     def unroll(self, batch: FlatBatch) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

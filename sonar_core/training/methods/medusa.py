@@ -55,7 +55,7 @@ class MedusaTrainer(HeadTrainer):
         all_rows = torch.arange(batch.num_rows)
         for head in range(self.options.depth):
             rows = all_rows[batch.within(all_rows, head + 1)]
-            losses.add(head, logits[head, rows], labels[rows + head + 1])
+            losses.add(head, logits[head, rows], labels[rows + head + 1], rows)
         return losses.result(self.heads)
 
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:

@@ -60,7 +60,7 @@ class MLPSpeculatorTrainer(HeadTrainer):
             if rows.numel() == 0:
                 break
             state, logits = self.speculator.stage(stage, state, batch.token_after(rows, stage + 1))
-            losses.add(stage, logits, labels[rows + stage + 1])
+            losses.add(stage, logits, labels[rows + stage + 1], rows)
         return losses.result(self.speculator)
 
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
