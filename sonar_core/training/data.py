@@ -8,10 +8,14 @@ state Medusa and the MLP speculator read, which also gives every position's targ
 (the training labels). Nothing is computed twice: the states are the ones the target computes
 while it answers.
 
-Generation is resumable: prompts run in fixed chunks, and a chunk counts as done only when every
-one of its files exists, so an interrupted chunk is run again whole and the data is the same as
-an uninterrupted run's. ``manifest.json`` records the settings; a folder made with other settings
-is refused rather than mixed.
+The prompts are ``num_prompts`` of the four domains and ``conversation_prompts`` of the
+conversation set (:mod:`sonar_core.training.prompts`), each list from its own generator, so either
+count can grow and the files of the other list stay valid: data is added to a folder, never redone.
+
+Generation is resumable: each list's prompts run in fixed chunks, and a chunk counts as done only
+when every one of its files exists, so an interrupted chunk is run again whole and the data is the
+same as an uninterrupted run's. ``manifest.json`` records the settings (``auto`` dtype resolved to
+the one the engine takes here); a folder made with other settings is refused rather than mixed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.hidden_state_files import file_name
-from sonar_core.training.prompts import TrainingPrompt, build_prompts
+from sonar_core.training.prompts import TrainingPrompt, build_conversation_prompts, build_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +40,8 @@ FORMAT = "sonar-self-distillation"
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What the data is made of; every field but ``num_prompts`` must match to reuse a folder
-    (more prompts extend it: the prompt list of a seed is the same whatever its length)."""
+    """What the data is made of; every field but the prompt counts must match to reuse a folder
+    (more prompts extend it: the prompt lists of a seed are the same whatever their lengths)."""
 
     model: str | None
     num_prompts: int
@@ -46,6 +50,8 @@ class DataSpec:
     dtype: str
     layer_ids: tuple[int, ...]  # vLLM capture ids (Sonar's index)
     max_num_seqs: int = 24
+    # Prompts of the conversation set, beside the ``num_prompts`` of the four domains.
+    conversation_prompts: int = 0
 
     @property
     def chunk_size(self) -> int:
@@ -55,20 +61,45 @@ class DataSpec:
     def comparable(self) -> dict[str, Any]:
         fields = asdict(self)
         fields.pop("num_prompts")
+        fields.pop("conversation_prompts")
         fields["layer_ids"] = list(self.layer_ids)
+        fields["dtype"] = resolved_dtype(self.dtype)
         return fields
 
 
+def resolved_dtype(dtype: str) -> str:
+    """The dtype the engine answers in for ``dtype`` (``auto`` depends on the machine), which is
+    what the data is made of and what a folder records."""
+    from sonar_core.config.engine import EngineConfig
+
+    return EngineConfig(dtype=dtype).resolved_dtype()
+
+
+def prompt_lists(spec: DataSpec) -> list[list[TrainingPrompt]]:
+    """The training prompts as their separately generated lists (four domains, conversation set)."""
+    lists = [build_prompts(spec.num_prompts, spec.seed)]
+    if spec.conversation_prompts:
+        lists.append(build_conversation_prompts(spec.conversation_prompts, spec.seed))
+    return lists
+
+
 def training_prompts(spec: DataSpec) -> list[TrainingPrompt]:
-    return build_prompts(spec.num_prompts, spec.seed)
+    return [prompt for prompts in prompt_lists(spec) for prompt in prompts]
 
 
 def held_out_prompts(spec: DataSpec, count: int) -> list[TrainingPrompt]:
     """``count`` prompts of the same domains that are not among the training prompts (another
-    seed, with any text the training set holds left out)."""
+    seed, with any text the training set holds left out); with conversation prompts in the data,
+    a share of them as large as theirs in it."""
     seen = {prompt.text for prompt in training_prompts(spec)}
-    fresh = [p for p in build_prompts(2 * count + 8, spec.seed + 1_000_003) if p.text not in seen]
-    return fresh[:count]
+    total = spec.num_prompts + spec.conversation_prompts
+    conversation = round(count * spec.conversation_prompts / total) if total else 0
+    seed = spec.seed + 1_000_003
+    fresh = [p for p in build_prompts(2 * count + 8, seed) if p.text not in seen][: count - conversation]
+    if conversation:
+        more = build_conversation_prompts(4 * conversation + 8, seed)
+        fresh += [p for p in more if p.text not in seen][:conversation]
+    return fresh
 
 
 class SelfDistillationData:
@@ -101,7 +132,9 @@ class SelfDistillationData:
             raise ConfigError(
                 "work_dir",
                 f"{self.folder} holds data made with other settings ({changes})",
-                "use another --work-dir for these settings, or the settings the folder was made with",
+                "use another --work-dir for these settings, or the settings the folder was made with"
+                + (" (the folder recorded dtype 'auto', from before it was resolved: write the dtype it was made"
+                   " with into its manifest.json)" if recorded.get("dtype") == "auto" else ""),
             )
 
     def generate(self, spec: DataSpec, progress: Callable[[int, int, int], None] | None = None) -> int:
@@ -111,10 +144,13 @@ class SelfDistillationData:
         """
         self.folder.mkdir(parents=True, exist_ok=True)
         self.check_manifest(spec)
-        manifest = {"format": FORMAT, "version": 1, **spec.comparable(), "num_prompts": spec.num_prompts}
+        manifest = {"format": FORMAT, "version": 1, **spec.comparable(), "num_prompts": spec.num_prompts,
+                    "conversation_prompts": spec.conversation_prompts}
         (self.folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        prompts = training_prompts(spec)
-        chunks = [prompts[i : i + spec.chunk_size] for i in range(0, len(prompts), spec.chunk_size)]
+        lists = prompt_lists(spec)
+        prompts = [prompt for part in lists for prompt in part]
+        # Chunked list by list, so that growing one list never reopens a chunk of another.
+        chunks = [part[i : i + spec.chunk_size] for part in lists for i in range(0, len(part), spec.chunk_size)]
         todo = [chunk for chunk in chunks if not all((self.folder / file_name(p.id)).is_file() for p in chunk)]
         done = len(prompts) - sum(len(chunk) for chunk in todo)
         if progress is not None:
@@ -142,7 +178,7 @@ class SelfDistillationData:
             "layer_ids": list(spec.layer_ids),
             "include_final": True,
         }
-        return LLM(model=spec.model, dtype=spec.dtype, seed=spec.seed, max_num_seqs=spec.max_num_seqs,
+        return LLM(model=spec.model, dtype=resolved_dtype(spec.dtype), seed=spec.seed, max_num_seqs=spec.max_num_seqs,
                    speculative_config=speculative)
 
     def _run_chunk(self, llm: Any, chunk: list[TrainingPrompt], spec: DataSpec):

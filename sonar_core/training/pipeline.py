@@ -144,6 +144,8 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
     state_file = work / f"{recipe.method}-state.pt"
     fingerprint = {"method": recipe.method, "head": asdict(recipe.head), "data": recipe.data.comparable(),
                    "prompts": recipe.data.num_prompts, "vocab": vocab.tolist()}
+    if recipe.data.conversation_prompts:
+        fingerprint["conversation_prompts"] = recipe.data.conversation_prompts
     outcome = train(trainer, dataset, recipe.settings, state_file, fingerprint, stop_after=stop_after,
                     on_step=bars.step)
     bars.close()
@@ -154,7 +156,11 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
         "trainable_parameters": sum(p.numel() for p in trainer.trainable_parameters()),
         "first_loss": outcome.history[0].loss if outcome.history else None,
         "last_loss": outcome.history[-1].loss if outcome.history else None,
+        # On the last training batches: each position fed the right earlier tokens, and chained
+        # (every earlier draft right too, what greedy verification accepts). The held-out
+        # evaluation below is the figure that counts.
         "teacher_forced_accuracy": outcome.recent_accuracy(),
+        "teacher_forced_chained": outcome.recent_accuracy(chained=True),
     }
     if not outcome.finished:
         logger.info("training stopped after %d of %d steps; run the same command to continue",

@@ -253,3 +253,136 @@ def _structured(rng: random.Random) -> str:
         f"Write a JSON schema for objects like this one, then validate it by hand: {records[0]}",
         f"Sort these rows by {keys[1]} and print them as a Markdown table:\n\n{csv}",
     ))
+
+
+# The conversation set: open everyday requests whose answers copy little from the prompt (poems,
+# stories, advice, facts, letters, plans), in many phrasings over many subjects. The four domains
+# above cover code and formats well but phrase their chat requests in ten ways only; a head trained
+# on them alone drafts open chat answers poorly (docs/training.md). Drawn from its own generator, so
+# adding it to a data folder leaves the prompts of the four domains, and their files, as they are.
+CONVERSATION = "conversation"
+_TOPICS = (
+    "knitting a scarf", "restoring old furniture", "learning to juggle", "brewing coffee at home",
+    "making pottery", "keeping chickens in a garden", "riding a motorbike safely", "playing the piano",
+    "fixing a leaking tap", "building a birdhouse", "starting a podcast", "writing poetry", "learning sign language",
+    "caring for a cat", "adopting a rescue dog", "keeping an aquarium", "growing strawberries", "pruning roses",
+    "stargazing", "hiking in the rain", "kayaking on a lake", "cycling to work", "learning to skate",
+    "doing yoga in the morning", "lifting weights safely", "stretching after a workout", "drinking more water",
+    "cooking rice perfectly", "making soup from leftovers", "baking a birthday cake", "fermenting vegetables",
+    "making fresh pasta", "grilling vegetables", "packing a healthy lunch", "eating less sugar", "brewing tea",
+    "visiting a museum with children", "travelling by train", "packing light for a holiday", "visiting Japan",
+    "a weekend in Paris", "camping in the desert", "a trip to the seaside", "learning about local history",
+    "budgeting for a holiday", "paying off a credit card", "opening a savings account", "negotiating a salary",
+    "asking for a promotion", "preparing a presentation", "running a team meeting", "giving feedback kindly",
+    "working night shifts", "changing careers at forty", "writing a CV", "studying for an exam", "taking notes in class",
+    "learning history dates", "reading more books", "starting a reading habit", "writing a diary in English",
+    "learning French verbs", "practising handwriting", "drawing portraits", "painting with watercolours",
+    "taking up photography", "editing holiday videos", "making a family tree", "writing a wedding speech",
+    "planning a surprise party", "organising a school fair", "decorating for the holidays", "wrapping presents",
+    "choosing a gift for a friend", "saying sorry to a friend", "dealing with a noisy neighbour", "sharing a flat",
+    "moving house with pets", "cleaning a kitchen quickly", "doing laundry properly", "ironing shirts",
+    "sewing on a button", "recycling at home", "saving energy in winter", "keeping a house cool in summer",
+    "insulating a window", "choosing a mattress", "setting up a home office", "organising a wardrobe",
+    "waking up early", "managing stress", "meditating for ten minutes", "breathing exercises", "calming down before sleep",
+    "staying positive", "building confidence", "being a good listener", "remembering names", "managing time",
+    "keeping a to-do list", "avoiding procrastination", "learning to code", "protecting passwords",
+    "backing up photos", "using a smartphone less", "teaching grandparents to video call", "choosing a bicycle",
+    "changing a car tyre", "driving in snow", "washing a car", "walking more every day", "gardening with children",
+    "watching birds in winter", "feeding wild hedgehogs", "a visit to the zoo", "the life of bees", "volcanoes",
+    "the moon", "rainbows", "thunderstorms", "the deep sea", "dinosaurs", "penguins", "autumn leaves", "snowflakes",
+    "the history of chocolate", "the invention of the telephone", "ancient Egypt", "the Roman roads", "the first flight",
+    "a lighthouse keeper", "a small bakery", "a village market", "a rainy Sunday", "a long summer evening",
+    "an old library", "a lost umbrella", "a friendly robot", "a brave little mouse", "a forgotten key",
+)
+_DISHES = (
+    "lentil soup", "banana bread", "vegetable curry", "pancakes", "tomato pasta", "fried rice", "a green salad",
+    "chicken stew", "porridge with fruit", "a cheese omelette", "roasted potatoes", "a fruit smoothie",
+    "guacamole", "mushroom risotto", "apple crumble", "hummus", "a bean chili", "oat cookies",
+)
+_PAIRS = (
+    ("cats", "dogs"), ("tea", "coffee"), ("trains", "planes"), ("the city", "the countryside"),
+    ("reading on paper", "reading on a screen"), ("running", "swimming"), ("renting", "buying a home"),
+    ("summer", "winter"), ("working early", "working late"), ("a laptop", "a tablet"), ("the sea", "the mountains"),
+    ("cooking at home", "eating out"), ("walking", "cycling"), ("email", "a phone call"),
+)
+_QUESTIONS = (
+    "Why do cats purr?", "How do birds know where to fly in winter?", "Why is the ocean salty?",
+    "How does a rainbow form?", "Why do we dream?", "What makes bread go stale?", "Why do onions make us cry?",
+    "How do bees make honey?", "Why do we get hiccups?", "How does a compass work?", "Why is the moon sometimes orange?",
+    "How do plants know which way is up?", "Why do leaves fall in autumn?", "How long do elephants live?",
+    "What happens to the body when we sleep?", "Why do some people like spicy food?", "How do fish breathe?",
+    "Why does ice float?", "How did people tell time before clocks?", "What is the tallest tree in the world?",
+    "Why do we yawn?", "How do submarines dive and come back up?", "Why do stars twinkle?",
+    "What is the difference between a virus and a bacterium?", "How do you stay motivated on hard days?",
+    "What is a good way to start the morning?", "How can I be kinder to myself?", "What makes a good friend?",
+    "How do I say no politely?", "What should I cook tonight with rice, eggs and spinach?",
+)
+_AUDIENCES = (
+    "a child", "my grandmother", "a teenager", "a complete beginner", "a busy parent", "a student",
+    "someone who has never tried it", "a retired teacher",
+)
+_CONVERSATION_TEMPLATES = (
+    "Write a four-line poem about {t}.", "Write a haiku about {t}.", "Write a limerick about {t}.",
+    "Write a short rhyming poem for children about {t}.", "Write a song chorus about {t}.",
+    "Write a very short story about {t}.", "Tell a bedtime story about {t}.",
+    "Write a 100-word story that begins with someone {t}.",
+    "Share three interesting facts about {t}.", "What is something most people don't know about {t}?",
+    "Tell me a little about the history of {t}.", "Why do people enjoy {t}?",
+    "How would you explain {t} to {a}?", "Describe {t} in simple words for {a}.",
+    "List five tips for {t}.", "What is your best advice for {t}?", "How do I get started with {t}?",
+    "What do I need to know before {t}?", "What are the advantages and disadvantages of {t}?",
+    "What are the most common mistakes with {t}, and how can I avoid them?",
+    "Give me a step-by-step plan for {t}.", "Make a one-week plan for {t}.", "What equipment do I need for {t}?",
+    "Write an encouraging message to a friend who is {t}.", "Write a short email to my team about {t}.",
+    "Write a friendly note to my neighbour about {t}.", "Write a social media post about {t}.",
+    "Suggest five fun ideas related to {t}.", "Brainstorm names for a club about {t}.",
+    "Give me a short motivational speech about {t}.", "Describe a perfect day spent {t}.",
+    "Write a diary entry from someone who spent the day {t}.",
+    "I am {a_plain}. Can you give me some advice about {t}?",
+    "Could you summarise the key points about {t} in a few bullet points?",
+    "What questions do people often ask about {t}? Answer two of them.",
+    "Is {t} worth the effort? Give me an honest answer.",
+)
+_STANDALONE_TEMPLATES = (
+    "Give me a simple recipe for {d}.", "How do I make {d} without an oven?", "What goes well with {d}?",
+    "Compare {p} and {q}.", "Which is better, {p} or {q}? Give reasons for both sides.",
+    "Write a short funny dialogue between someone who loves {p} and someone who loves {q}.",
+)
+_CONVERSATION_CLOSINGS = (
+    "", "", "", "", " Keep it short.", " Please use a friendly tone.", " Use simple words.", " Answer in a few sentences.",
+    " Please answer with a numbered list.", " Make it fun.", " Be practical.",
+)
+
+
+def build_conversation_prompts(count: int, seed: int) -> list[TrainingPrompt]:
+    """``count`` distinct prompts of the conversation set, deterministic for ``seed`` (a longer
+    list extends a shorter one), ids ``conversation-<index>``. Raises ValueError when the set
+    cannot give that many."""
+    rng = random.Random(f"sonar-conversation/{seed}")
+    seen: set[str] = set()
+    prompts: list[TrainingPrompt] = []
+    attempts = 0
+    while len(prompts) < count:
+        attempts += 1
+        if attempts > 50 * max(count, 1):
+            raise ValueError(f"could not make {count} distinct conversation prompts (made {len(prompts)})")
+        text = _conversation(rng)
+        if text in seen:
+            continue
+        seen.add(text)
+        prompts.append(TrainingPrompt(f"{CONVERSATION}-{len(prompts):06d}", CONVERSATION,
+                                      ({"role": "user", "content": text},)))
+    return prompts
+
+
+def _conversation(rng: random.Random) -> str:
+    choice = rng.random()
+    if choice < 0.12:
+        return rng.choice(_QUESTIONS) + rng.choice(_CONVERSATION_CLOSINGS)
+    if choice < 0.25:
+        p, q = rng.choice(_PAIRS)
+        text = rng.choice(_STANDALONE_TEMPLATES).format(d=rng.choice(_DISHES), p=p, q=q)
+        return text + rng.choice(_CONVERSATION_CLOSINGS)
+    audience = rng.choice(_AUDIENCES)
+    text = rng.choice(_CONVERSATION_TEMPLATES).format(t=rng.choice(_TOPICS), a=audience, a_plain=audience)
+    return text + rng.choice(_CONVERSATION_CLOSINGS)
