@@ -172,4 +172,5 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     if kernels is None or x.dim() != 3 or x.stride(-1) != 1:
         return apply_rotary(x, cos, signed_sin)
     tokens = cos.shape[0]
-    return kernels.rotary_embedding_(x, cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1))
+    kernels.rotary_embedding_(x, cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1))
+    return x

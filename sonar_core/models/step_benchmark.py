@@ -1,8 +1,9 @@
 """Time one forward step of our model against transformers' forward with a ``DynamicCache``.
 
 Same checkpoint, same input, same thread count: ``C`` cached tokens, then a step of ``q`` new
-tokens (1 = a decode step, more = verifying drafts), logits included. The two implementations
-alternate step by step so that background load hits both alike; medians are reported.
+tokens (1 = a decode step, more = verifying drafts), logits included. Sonar runs twice, on its CPU
+kernels and on PyTorch's operators alone (what machines without a compiler get); the three
+alternate step by step so that background load hits all alike; medians are reported.
 
     python -m sonar_core.models.step_benchmark --dtypes float32,bfloat16 --threads 2
 """
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from sonar_core import cpu_kernels
+from sonar_core.cpu_features import cpu_model, kernel_flags
 from sonar_core.kv import allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.loader import load_model
@@ -33,8 +36,8 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def compare(
     model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int
-) -> list[tuple[int, float, float]]:
-    """``(q, ours_ms, transformers_ms)`` medians for each step size ``q``."""
+) -> list[tuple[int, float, float, float]]:
+    """``(q, ours_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for each step size ``q``."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     loaded = load_model(model, dtype, "cpu")
@@ -66,14 +69,19 @@ def compare(
                 cache.crop(-q)  # back to `context` cached tokens
                 return logits
 
+            def ours_on_pytorch_ops() -> torch.Tensor:
+                with cpu_kernels.disabled():
+                    return ours_step()
+
+            steps = (ours_step, ours_on_pytorch_ops, theirs_step)
             for _ in range(3):
-                ours_step()
-                theirs_step()
-            ours_times, theirs_times = [], []
+                for step in steps:
+                    step()
+            times: list[list[float]] = [[] for _ in steps]
             for _ in range(iters):
-                ours_times.append(_timed(ours_step))
-                theirs_times.append(_timed(theirs_step))
-            results.append((q, _median_ms(ours_times), _median_ms(theirs_times)))
+                for samples, step in zip(times, steps, strict=True):
+                    samples.append(_timed(step))
+            results.append((q, *(_median_ms(samples) for samples in times)))
     return results
 
 
@@ -88,12 +96,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     new_tokens = [int(q) for q in args.new_tokens.split(",")]
-    print(f"context {args.context} tokens, {args.threads} threads, median of {args.iters} steps")
+    print(
+        f"context {args.context} tokens, {args.threads} threads, median of {args.iters} steps; "
+        f"CPU: {cpu_model()} ({', '.join(kernel_flags()) or 'no listed flags'}); "
+        f"Sonar's CPU kernels: {'built' if cpu_kernels.load() is not None else cpu_kernels.problem()}"
+    )
     for name in args.dtypes.split(","):
-        for q, ours_ms, theirs_ms in compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters):
+        rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters)
+        for q, ours_ms, pytorch_ops_ms, theirs_ms in rows:
             print(
-                f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   transformers {theirs_ms:8.2f} ms   "
-                f"speed-up {theirs_ms / ours_ms:.2f}x"
+                f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   sonar on PyTorch ops {pytorch_ops_ms:8.2f} ms   "
+                f"transformers {theirs_ms:8.2f} ms   kernels {pytorch_ops_ms / ours_ms:.2f}x   "
+                f"vs transformers {theirs_ms / ours_ms:.2f}x"
             )
 
 
