@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
-from sonar_core.layers.attention import AttentionMetadata, PagedAttention
+from sonar_core.layers.attention import (
+    IN_PLACE_MAX_CONTEXT,
+    AttentionMetadata,
+    PagedAttention,
+    attends_in_place,
+)
 from sonar_core.layers.norms import RMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
 
@@ -72,7 +77,7 @@ def test_silu_and_mul_matches_pytorch(dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), expected, rtol=tolerance, atol=tolerance)
 
 
-def _scenario(dtype, context_lens, query_lens, heads=6, kv_heads=2, head_dim=32, block=4, seed=0):
+def _scenario(dtype, context_lens, query_lens, causal=True, heads=6, kv_heads=2, head_dim=32, block=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     free = torch.randperm(64, generator=gen).tolist()
@@ -80,22 +85,35 @@ def _scenario(dtype, context_lens, query_lens, heads=6, kv_heads=2, head_dim=32,
     cache = allocate_kv_cache([KVLayerSpec(kv_heads, head_dim)], 64, block, dtype, "cpu")[0]
     cache[0].normal_(generator=gen)
     cache[1].normal_(generator=gen)
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block, torch.device("cpu"))
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block, torch.device("cpu"), causal)
     q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
     return q, cache, metadata
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_paged_attention_matches_the_gathering_path(dtype, window):
-    q, cache, metadata = _scenario(dtype, [0, 13, 5, 20], [7, 1, 4, 1])
+def test_paged_attention_matches_the_gathering_path(dtype, window, causal):
+    """Ragged decode and multi-token rows alike (layers hand the kernel only decode steps, but each
+    row is computed the same way whatever the step holds)."""
+    q, cache, metadata = _scenario(dtype, [0, 13, 5, 20], [7, 1, 4, 1], causal)
     attention = PagedAttention(6, 2, 32, sliding_window=window)
     with torch.inference_mode():
         with cpu_kernels.disabled():
             expected = attention.attend(q, cache, metadata)
-        got = attention.attend(q, cache, metadata)
+        got = ops.paged_attention(
+            q, *cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            attention.scale, causal, window or 0,
+        )
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_layers_attend_in_place_for_decode_steps_only():
+    decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
+    verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
+    long = AttentionMetadata.build([1], [IN_PLACE_MAX_CONTEXT + 1], [list(range(257))], 4, torch.device("cpu"))
+    assert attends_in_place(decode) and not attends_in_place(verify) and not attends_in_place(long)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
