@@ -34,22 +34,20 @@ from torch import nn
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache, StateBatch
 
-# Which steps Sonar's CPU kernel attends in place: decode steps (one query per sequence) over up
-# to this many cached tokens. Longer contexts and steps of several queries per sequence
-# (verification, prefill chunks) gather the context once and let PyTorch's SDPA run its blocked
-# matmuls, which is faster there: the kernel reads each key where it lies but pays a horizontal
-# sum per key and query row, which a cache laid out in rows of keys cannot avoid, and it does not
-# share a key between the queries of a sequence. Measured on SmolLM2's heads (9 query / 3 KV heads
-# of 64), bfloat16, in place against gathered: decode over 256 keys 30 against 52 us (2 threads),
-# 41 against 43 (1 thread); over 2,048 keys 210 against 206 (2 threads), 380 against 309 (1
-# thread); 4 queries over 256 keys 81 against 76 (2 threads), 160 against 70 (1 thread); a whole
-# decode step at batch 16 over 2,048 tokens 176 ms with every layer in place against 133 gathered.
-IN_PLACE_MAX_CONTEXT = 1024
+# Sonar's CPU kernel attends in place for decode steps (one query per sequence). Steps of several
+# queries per sequence (verification, prefill chunks) gather the context once and let PyTorch's
+# SDPA run its blocked matmuls, which share each key between the queries: the kernel reads a key
+# where it lies but pays a dot product with a horizontal sum per key and query row. Measured on
+# SmolLM2's heads (9 query / 3 KV heads of 64), bfloat16, in place against gathered, 1 / 2
+# threads: decode over 256 keys 24 / 21 us against 42 / 74; over 2,048 keys 174 / 115 against
+# 304 / 230; 4 queries over 256 keys 93 / 49 against 69 / 79; over 2,048 keys 758 / 369 against
+# 469 / 335; 16 queries over 2,048 keys 3232 / 1383 against 819 / 624 (2 threads, whole decode step
+# over 2,048 tokens at batch 16: 142 ms against 144; over 512 tokens: 54 against 118).
 
 
 def attends_in_place(metadata: AttentionMetadata) -> bool:
-    """Whether a step's attention is cheaper on the in-place kernel than gathered (see above)."""
-    return metadata.max_query_len == 1 and metadata.max_seq_len <= IN_PLACE_MAX_CONTEXT
+    """Whether a step's attention runs on the in-place kernel (see above)."""
+    return metadata.max_query_len == 1
 
 
 @dataclass

@@ -35,9 +35,10 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def compare(
-    model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int
+    model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int, batch: int = 1
 ) -> list[tuple[int, float, float, float]]:
-    """``(q, ours_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for each step size ``q``."""
+    """``(q, ours_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for each step size ``q``,
+    for ``batch`` sequences of ``context`` cached tokens each taking ``q`` new tokens."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     loaded = load_model(model, dtype, "cpu")
@@ -47,25 +48,29 @@ def compare(
     vocab_size = loaded.hf_config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
     block_size = 16
-    table = list(range(-(-longest // block_size)))
-    caches = allocate_kv_cache(ours.kv_cache_specs(), len(table), block_size, dtype, "cpu")
+    width = -(-longest // block_size)
+    tables = [list(range(row * width, (row + 1) * width)) for row in range(batch)]
+    caches = allocate_kv_cache(ours.kv_cache_specs(), width * batch, block_size, dtype, "cpu")
     results = []
     with torch.inference_mode():
-        metadata = AttentionMetadata.build([context], [context], [table], block_size, torch.device("cpu"))
-        ours(ids[:context], metadata.positions, caches, metadata)
+        for table in tables:  # every sequence caches the same context
+            metadata = AttentionMetadata.build([context], [context], [table], block_size, torch.device("cpu"))
+            ours(ids[:context], metadata.positions, caches, metadata)
         cache = DynamicCache(config=theirs.config)
-        theirs(ids[None, :context], past_key_values=cache, use_cache=True)
+        theirs(ids[None, :context].expand(batch, -1), past_key_values=cache, use_cache=True)
 
         for q in new_tokens:
             step_ids = ids[context : context + q]
 
             def ours_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
-                meta = AttentionMetadata.build([q], [context + q], [table], block_size, torch.device("cpu"))
-                hidden = ours(step_ids, meta.positions, caches, meta)
+                meta = AttentionMetadata.build(
+                    [q] * batch, [context + q] * batch, tables, block_size, torch.device("cpu")
+                )
+                hidden = ours(step_ids.repeat(batch), meta.positions, caches, meta)
                 return ours.compute_logits(hidden)
 
             def theirs_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
-                logits = theirs(step_ids[None], past_key_values=cache, use_cache=True).logits
+                logits = theirs(step_ids[None].expand(batch, -1), past_key_values=cache, use_cache=True).logits
                 cache.crop(-q)  # back to `context` cached tokens
                 return logits
 
@@ -91,18 +96,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--context", type=int, default=200, help="cached tokens before the step")
     parser.add_argument("--new-tokens", default="1,4", help="step sizes, comma-separated")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step, each with --context cached tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     new_tokens = [int(q) for q in args.new_tokens.split(",")]
     print(
-        f"context {args.context} tokens, {args.threads} threads, median of {args.iters} steps; "
+        f"batch {args.batch}, context {args.context} tokens, {args.threads} threads, median of {args.iters} steps; "
         f"CPU: {cpu_model()} ({', '.join(kernel_flags()) or 'no listed flags'}); "
         f"Sonar's CPU kernels: {'built' if cpu_kernels.load() is not None else cpu_kernels.problem()}"
     )
     for name in args.dtypes.split(","):
-        rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters)
+        rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters, args.batch)
         for q, ours_ms, pytorch_ops_ms, theirs_ms in rows:
             print(
                 f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   sonar on PyTorch ops {pytorch_ops_ms:8.2f} ms   "

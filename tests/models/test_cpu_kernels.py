@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers.attention import (
-    IN_PLACE_MAX_CONTEXT,
     AttentionMetadata,
     PagedAttention,
     attends_in_place,
@@ -112,8 +111,7 @@ def test_paged_attention_matches_the_gathering_path(dtype, window, causal):
 def test_layers_attend_in_place_for_decode_steps_only():
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
-    long = AttentionMetadata.build([1], [IN_PLACE_MAX_CONTEXT + 1], [list(range(257))], 4, torch.device("cpu"))
-    assert attends_in_place(decode) and not attends_in_place(verify) and not attends_in_place(long)
+    assert attends_in_place(decode) and not attends_in_place(verify)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -20,6 +20,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,13 +33,25 @@
 
 namespace {
 
-// `omp simd` lets the compiler split the sum over vector lanes (a fixed order for a given build,
-// whatever the batch holds).
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
+// The dot product of two float32 rows, with one vector accumulator and a shuffle-tree sum at the
+// end: compilers turn a plain reduction loop into a chain of dependent scalar adds, which made
+// this most of the attention's time. A fixed order for a given build, whatever the batch holds.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  sum = _mm_cvtss_f32(half);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
@@ -84,12 +100,15 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 // ---- attention over the paged cache ---------------------------------------------------------
 
-template <typename T>
+// kHeadDim > 0: the head size is known when compiling (the common sizes), so the per-key loops
+// have fixed trip counts and their accumulators stay in registers; 0: any head size.
+template <typename T, int64_t kHeadDim>
 void paged_attention_kernel(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, bool causal, int64_t window,
     at::Tensor& out) {
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t n_rep = num_heads / kv_heads;
   const int64_t num_seqs = seq_lens.size(0), table_width = block_tables.size(1);
@@ -171,21 +190,24 @@ void paged_attention_kernel(
         }
         totals[r] = total;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p <= last;) {
-        const int64_t block = table[p / block_size], offset = p % block_size;
-        const int64_t run = std::min(block_size - offset, last - p + 1);
-        const T* vrow = v_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
-        for (int64_t i = 0; i < run; ++i, vrow += kv_slot_stride) {
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vrow[d]);
-          for (int64_t r = 0; r < heads_per_item; ++r) {
-            const float wp = scores[r * longest + p - first + i];
-            float* a = acc.data() + r * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += wp * row[d];
+      // Values: one head row at a time, its weighted sum in a local array that the compiler
+      // keeps in registers when the head size is fixed (no store and reload per key).
+      for (int64_t r = 0; r < heads_per_item; ++r) {
+        const float* w = scores.data() + r * longest;
+        float local[kHeadDim > 0 ? kHeadDim : 1];
+        float* a = kHeadDim > 0 ? local : acc.data() + r * head_dim;
+        std::fill(a, a + head_dim, 0.f);
+        for (int64_t p = first; p <= last;) {
+          const int64_t block = table[p / block_size], offset = p % block_size;
+          const int64_t run = std::min(block_size - offset, last - p + 1);
+          const T* vrow = v_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
+          for (int64_t i = 0; i < run; ++i, vrow += kv_slot_stride) {
+            const float wp = w[p - first + i];
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += wp * static_cast<float>(vrow[d]);
           }
+          p += run;
         }
-        p += run;
+        if (kHeadDim > 0) std::copy_n(local, head_dim, acc.data() + r * head_dim);
       }
       for (int64_t r = 0; r < heads_per_item; ++r) {
         T* orow = out_ptr + t * num_heads * head_dim + (h0 + r) * head_dim;
@@ -218,7 +240,16 @@ at::Tensor paged_attention(
               "paged_attention: metadata sizes do not agree");
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    paged_attention_kernel<scalar_t>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+    switch (q.size(2)) {
+      case 64:
+        paged_attention_kernel<scalar_t, 64>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+        break;
+      case 128:
+        paged_attention_kernel<scalar_t, 128>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+        break;
+      default:
+        paged_attention_kernel<scalar_t, 0>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+    }
   });
   return out;
 }
