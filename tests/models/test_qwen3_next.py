@@ -56,10 +56,13 @@ def _slot_states(runner, seq: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _assert_states_close(got, expected, what: str) -> None:
+    """Float32 rounding only: a verified row and token-by-token decoding take different kernels
+    (a step of several queries attends through SDPA, a decode step through Sonar's CPU kernel), so
+    states of magnitude ~10 may differ by ~1e-5; a wrong rollback differs by O(1)."""
     for index, ((conv, recurrent), (conv_ref, recurrent_ref)) in enumerate(zip(got, expected, strict=True)):
-        torch.testing.assert_close(conv, conv_ref, rtol=0, atol=1e-5, msg=f"{what}: conv window of layer {index}")
+        torch.testing.assert_close(conv, conv_ref, rtol=1e-5, atol=1e-5, msg=f"{what}: conv window of layer {index}")
         torch.testing.assert_close(
-            recurrent, recurrent_ref, rtol=0, atol=1e-5, msg=f"{what}: recurrent state of layer {index}"
+            recurrent, recurrent_ref, rtol=1e-5, atol=1e-5, msg=f"{what}: recurrent state of layer {index}"
         )
 
 
