@@ -36,8 +36,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)``: a decoder layer's residual add and the norm
-        after it, in one pass where Sonar's CPU kernels run."""
-        kernels = cpu_kernels.for_tensor(x, residual, self.weight)
+        after it, in one pass where Sonar's CPU kernels run (the kernel computes this class's own
+        norm; subclasses that scale differently take the two-step path)."""
+        kernels = cpu_kernels.for_tensor(x, residual, self.weight) if type(self) is RMSNorm else None
         if (
             kernels is not None
             and x.dim() == 2

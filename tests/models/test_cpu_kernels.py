@@ -19,7 +19,7 @@ from sonar_core.layers.attention import (
     PagedAttention,
     attends_in_place,
 )
-from sonar_core.layers.norms import RMSNorm
+from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
 
 ops = cpu_kernels.load()
@@ -50,6 +50,15 @@ def test_rms_norm_and_the_fused_residual_add_match_the_module(dtype):
         # The float32 statistics may differ in their last bit; rounded to 16 bits, nearly every
         # element comes out identical.
         assert (got == expected).float().mean() > 0.95
+
+
+def test_a_norm_that_scales_differently_keeps_its_own_add_and_norm():
+    norm = ZeroCentredRMSNorm(32)
+    norm.weight.data = _random(32, dtype=torch.float32, seed=5)
+    x, residual = _random(3, 32, dtype=torch.float32), _random(3, 32, dtype=torch.float32, seed=6)
+    with torch.inference_mode():
+        normed, summed = norm.add_and_norm(x, residual)
+        assert torch.equal(normed, norm(residual + x)) and torch.equal(summed, residual + x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -162,7 +171,7 @@ PROBE = textwrap.dedent(
     import logging, torch
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from sonar_core import cpu_kernels
-    from sonar_core.layers.norms import RMSNorm
+    from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
     print("kernels:", cpu_kernels.load() is not None)
     with torch.inference_mode():
         print("norm runs:", RMSNorm(8)(torch.randn(2, 8)).shape == (2, 8))
