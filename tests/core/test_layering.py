@@ -26,7 +26,7 @@ RANKS: dict[str, int] = {
     "models": 4,
     "layers": 3, "sample": 3,
     "kv": 2,
-    "config": 1,
+    "config": 1, "cpu_kernels": 1,
     "errors": 0, "sampling_params": 0, "outputs": 0, "model_files": 0, "hub": 0, "cpu_usage": 0, "cpu_features": 0, "attention_backends": 0,
     "__init__": 0,
 }
