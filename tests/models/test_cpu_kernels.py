@@ -52,6 +52,18 @@ def test_rms_norm_and_the_fused_residual_add_match_the_module(dtype):
         assert (got == expected).float().mean() > 0.95
 
 
+def test_bfloat16_rounding_matches_pytorch_on_ties_infinities_and_nan():
+    """The kernels round float32 to bfloat16 with bit operations; ties go to even, overflow to
+    infinity and NaN stays NaN, as PyTorch rounds."""
+    eighth = 2.0**-8  # half the bfloat16 spacing at 1.0: 1 + eighth is a tie
+    x = torch.tensor([[1.0, 1.0, 3e38, float("inf"), float("nan"), -1.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    residual = torch.tensor(
+        [[eighth, 3 * eighth, 3e38, 1.0, 1.0, -eighth, -0.0, float("-inf")]], dtype=torch.bfloat16
+    )
+    _, summed = ops.add_rms_norm(x, residual, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    torch.testing.assert_close(summed, x + residual, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_norm_that_scales_differently_keeps_its_own_add_and_norm():
     norm = ZeroCentredRMSNorm(32)
     norm.weight.data = _random(32, dtype=torch.float32, seed=5)

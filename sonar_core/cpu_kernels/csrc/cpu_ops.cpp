@@ -33,6 +33,34 @@
 
 namespace {
 
+// float32 <-> the tensor's dtype. bfloat16 by bit operations, rounding to nearest even as c10 does
+// (NaN to the canonical NaN) but without c10's branch, which keeps loops from vectorising.
+template <typename T>
+inline float to_f32(T x) {
+  return static_cast<float>(x);
+}
+
+inline float to_f32(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_f32(float x) {
+  return static_cast<T>(x);
+}
+
+template <>
+inline c10::BFloat16 from_f32<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t nearest_even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint16_t bits = x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(nearest_even);
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+
 // The dot product of two float32 rows, with one vector accumulator and a shuffle-tree sum at the
 // end: compilers turn a plain reduction loop into a chain of dependent scalar adds, which made
 // this most of the attention's time. A fixed order for a given build, whatever the batch holds.
@@ -60,7 +88,7 @@ inline float sum_of_squares(const T* x, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const float v = to_f32(x[i]);
     sum += v * v;
   }
   return sum;
@@ -91,7 +119,7 @@ inline float fast_exp(float x) {
 // Rounds to T and back: the value a PyTorch op of dtype T would hand to the next op.
 template <typename T>
 inline float rounded(float x) {
-  return static_cast<float>(static_cast<T>(x));
+  return to_f32(from_f32<T>(x));
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -162,7 +190,7 @@ void paged_attention_kernel(
 
       for (int64_t r = 0; r < heads_per_item; ++r) {
         const T* qrow = q_ptr + t * q_token_stride + (h0 + r) * q_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = static_cast<float>(qrow[d]);
+        for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_f32(qrow[d]);
       }
       // Keys first..last, walked block by block (no division per key).
       for (int64_t p = first; p <= last;) {
@@ -170,7 +198,7 @@ void paged_attention_kernel(
         const int64_t run = std::min(block_size - offset, last - p + 1);
         const T* krow = k_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
         for (int64_t i = 0; i < run; ++i, krow += kv_slot_stride) {
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(krow[d]);
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = to_f32(krow[d]);
           for (int64_t r = 0; r < heads_per_item; ++r) {
             scores[r * longest + p - first + i] = dot(query.data() + r * head_dim, row.data(), head_dim) * fscale;
           }
@@ -203,7 +231,7 @@ void paged_attention_kernel(
           const T* vrow = v_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
           for (int64_t i = 0; i < run; ++i, vrow += kv_slot_stride) {
             const float wp = w[p - first + i];
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += wp * static_cast<float>(vrow[d]);
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += wp * to_f32(vrow[d]);
           }
           p += run;
         }
@@ -212,7 +240,7 @@ void paged_attention_kernel(
       for (int64_t r = 0; r < heads_per_item; ++r) {
         T* orow = out_ptr + t * num_heads * head_dim + (h0 + r) * head_dim;
         const float inv = 1.f / totals[r];
-        for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<T>(acc[r * head_dim + d] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) orow[d] = from_f32<T>(acc[r * head_dim + d] * inv);
       }
     }
   });
@@ -310,12 +338,12 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
       for (int64_t h = 0; h < heads; ++h) {
         T* row = base + t * token_stride + h * head_stride;
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(row[i]), x2 = static_cast<float>(row[i + half]);
+          const float x1 = to_f32(row[i]), x2 = to_f32(row[i + half]);
           // x * cos rounds (one op), then + rotate_half(x) * signed_sin rounds (addcmul).
-          const float a1 = rounded<T>(x1 * static_cast<float>(ct[i]));
-          const float a2 = rounded<T>(x2 * static_cast<float>(ct[i + half]));
-          row[i] = static_cast<T>(a1 + x2 * static_cast<float>(st[i]));
-          row[i + half] = static_cast<T>(a2 + x1 * static_cast<float>(st[i + half]));
+          const float a1 = rounded<T>(x1 * to_f32(ct[i]));
+          const float a2 = rounded<T>(x2 * to_f32(ct[i + half]));
+          row[i] = from_f32<T>(a1 + x2 * to_f32(st[i]));
+          row[i + half] = from_f32<T>(a2 + x1 * to_f32(st[i + half]));
         }
       }
     }
@@ -358,13 +386,13 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor* residual, const at::
       if (rp) {
         T* srow = sp + r * width;
         const T* rrow = rp + r * width;
-        for (int64_t i = 0; i < width; ++i) srow[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(rrow[i]));
+        for (int64_t i = 0; i < width; ++i) srow[i] = from_f32<T>(to_f32(row[i]) + to_f32(rrow[i]));
         row = srow;
       }
       const float inv = 1.f / std::sqrt(sum_of_squares(row, width) / static_cast<float>(width) + feps);
       T* orow = op + r * width;
       for (int64_t i = 0; i < width; ++i) {
-        orow[i] = static_cast<T>(static_cast<float>(w[i]) * rounded<T>(static_cast<float>(row[i]) * inv));
+        orow[i] = from_f32<T>(to_f32(w[i]) * rounded<T>(to_f32(row[i]) * inv));
       }
     }
   });
@@ -414,8 +442,8 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
       T* orow = op + r * width;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        orow[i] = static_cast<T>(rounded<T>(g / (1.f + fast_exp(-g))) * static_cast<float>(up[i]));
+        const float g = to_f32(gate[i]);
+        orow[i] = from_f32<T>(rounded<T>(g / (1.f + fast_exp(-g))) * to_f32(up[i]));
       }
     }
   });
