@@ -17,6 +17,7 @@ Timings and figures go to ``<work_dir>/<method>-report.json``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -55,6 +56,8 @@ class DraftRecipe:
     eval_prompts: int = 32
     eval_max_tokens: int = 128
     save_dtype: str = "float32"
+    # A head written earlier to start from (fine tuning on more data) instead of the initialisation.
+    init_from: Path | None = None
 
 
 @dataclass
@@ -138,6 +141,8 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
     report.data["draft_vocab_coverage"] = float(counts[vocab].sum()) / max(1, int(counts.sum()))
     torch.manual_seed(recipe.settings.seed)
     trainer = build_trainer(recipe.method, target, recipe.head, vocab, dataset.layer_ids, _mask_token(counts))
+    if recipe.init_from is not None:
+        trainer.start_from(Path(recipe.init_from))
     report.timings["prepare"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -146,6 +151,8 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
                    "prompts": recipe.data.num_prompts, "vocab": vocab.tolist()}
     if recipe.data.conversation_prompts:
         fingerprint["conversation_prompts"] = recipe.data.conversation_prompts
+    if recipe.init_from is not None:
+        fingerprint["init_from"] = _weights_digest(Path(recipe.init_from))
     outcome = train(trainer, dataset, recipe.settings, state_file, fingerprint, stop_after=stop_after,
                     on_step=bars.step)
     bars.close()
@@ -218,6 +225,14 @@ def _export(trainer: HeadTrainer, output: Path, dtype: torch.dtype) -> Path:
         output.rmdir()
     partial.rename(output)
     return output
+
+
+def _weights_digest(head_dir: Path) -> str:
+    """What identifies a head to start from: a digest of its weights."""
+    digest = hashlib.sha256()
+    for path in sorted(head_dir.glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _mask_token(counts: torch.Tensor) -> int:

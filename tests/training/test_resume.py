@@ -39,3 +39,20 @@ def test_a_state_of_other_settings_is_refused(tmp_path, dataset, training_target
     with pytest.raises(ConfigError, match="other settings"):
         train(make_trainer("medusa", training_target, dataset), dataset, other, tmp_path / "state.pt",
               {"method": "medusa"})
+
+
+def test_an_eagle3_head_starts_from_an_earlier_head(tmp_path, dataset, training_target):
+    earlier = make_trainer("eagle3", training_target, dataset, seed=1)
+    train(earlier, dataset, SETTINGS, tmp_path / "earlier.pt", {"method": "eagle3"}, stop_after=3)
+    head_dir = earlier.export(tmp_path / "earlier", torch.float32)
+    later = make_trainer("eagle3", training_target, dataset, seed=2)
+    assert not torch.equal(later.module.fc.weight, earlier.module.fc.weight)
+    later.start_from(head_dir)
+    for (name, a), (_, b) in zip(earlier.module.state_dict().items(), later.module.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    deeper = make_trainer("eagle3", training_target, dataset, seed=2)
+    deeper.head.fc_norm = None  # another shape: refused, not half loaded
+    with pytest.raises(ConfigError, match="not a head of this shape"):
+        deeper.start_from(head_dir)
+    with pytest.raises(ConfigError, match="cannot start from an earlier head"):
+        make_trainer("medusa", training_target, dataset).start_from(head_dir)

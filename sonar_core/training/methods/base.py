@@ -99,6 +99,13 @@ class HeadTrainer(ABC):
     def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
         """The loss of a batch (``generator`` draws anything random, DFlash's anchors)."""
 
+    def start_from(self, head_dir: Path) -> None:
+        """Load the weights of a head this method wrote earlier (fine tuning on more data)."""
+        from sonar_core.errors import ConfigError
+
+        raise ConfigError("init_from", f"{self.method} heads cannot start from an earlier head yet",
+                          "train this method from scratch")
+
     @abstractmethod
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
         """Write the head in its published layout (weights in ``dtype``); returns ``out_dir``."""

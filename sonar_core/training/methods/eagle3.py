@@ -113,6 +113,27 @@ class Eagle3Trainer(HeadTrainer):
     def module(self) -> nn.Module:
         return self.head
 
+    @torch.no_grad()
+    def start_from(self, head_dir: Path) -> None:
+        """Start from the weights of a head written earlier for the same target and shape (fine
+        tuning on more data): every trained tensor; the LM head stays the target's rows of this
+        run's draft vocabulary, which more data can change."""
+        from sonar_eagle.loading import load_head
+
+        from sonar_core.errors import ConfigError
+
+        earlier, _ = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", self.target.modules, torch.float32,
+                               torch.device("cpu"))
+        mine = self.head.state_dict()
+        theirs = {name: t for name, t in earlier.state_dict().items() if name != "lm_head.weight"}
+        names = (set(mine) - {"lm_head.weight"}) | set(theirs)
+        differing = sorted(n for n in names if n not in mine or n not in theirs or theirs[n].shape != mine[n].shape)
+        if differing:
+            raise ConfigError("init_from", f"{head_dir} is not a head of this shape (differs in {differing[0]})",
+                              "start from a head trained with the same target, layers and sizes")
+        for name, tensor in theirs.items():
+            mine[name].copy_(tensor)
+
     def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
         batch = FlatBatch(sequences)
         labels = torch.cat([self.labels(s) for s in sequences])
