@@ -46,3 +46,20 @@ def test_an_output_folder_with_other_files_is_refused(tmp_path, target, capsys):
 def test_bad_numbers_are_refused_before_anything_runs(tmp_path, target, capsys):
     assert main(_args(target, tmp_path / "head", "--epochs", "0")) == 2
     assert "--epochs must be at least 1" in capsys.readouterr().err
+
+
+def test_conversation_prompts_and_a_head_to_start_from(tmp_path, target, capsys):
+    """The flags that grow a head: the conversation set adds to the data folder, and --init-from
+    fine-tunes the head written before instead of starting from random weights."""
+    first = tmp_path / "head"
+    assert main(_args(target, first, "--eval-prompts", "0")) == 0
+    capsys.readouterr()
+    work = tmp_path / "tuned.work"
+    tuned = tmp_path / "tuned"
+    extra = ("--conversation-prompts", "4", "--init-from", str(first), "--work-dir", str(work), "--eval-prompts", "0")
+    assert main(_args(target, tuned, *extra)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["data"]["prompts"] == 8 + 4
+    assert DraftCheckpoint.open(str(tuned)).speculators.model_type == "eagle3"
+    assert main(_args(target, tmp_path / "other", "--conversation-prompts", "-1")) == 2
+    assert "--conversation-prompts must not be negative" in capsys.readouterr().err

@@ -31,6 +31,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="Folder for the data and the resumable training state (default: OUTPUT.work).")
     data = parser.add_argument_group("data")
     data.add_argument("--num-prompts", type=int, default=900, help="Prompts the target answers (default: 900).")
+    data.add_argument("--conversation-prompts", type=int, default=0,
+                      help="Prompts of the conversation set (everyday requests whose answers copy little) beside "
+                           "--num-prompts; more added later extend the same data folder (default: 0).")
     data.add_argument("--max-tokens", type=int, default=256, help="Most tokens per answer (default: 256).")
     data.add_argument("--max-num-seqs", type=int, default=24, help="Answers generated at once (default: 24).")
     data.add_argument("--dtype", default="auto", help="The target's dtype while answering (default: auto).")
@@ -44,6 +47,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     head.add_argument("--intermediate-size", type=int, default=None,
                       help="MLP width of those layers (default: the target's).")
     training = parser.add_argument_group("training")
+    training.add_argument("--init-from", type=Path, default=None,
+                          help="eagle3: start from a head written earlier (a speculators folder) instead of random "
+                               "weights, to fine-tune it on new data.")
     training.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
     training.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
     training.add_argument("--batch-rows", type=int, default=1024, help="Positions per step (default: 1024).")
@@ -89,6 +95,9 @@ def _recipe(args: argparse.Namespace) -> Any:
         if getattr(args, name) < 1:
             raise ConfigError(name, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}",
                               "pass a positive number")
+    if args.conversation_prompts < 0:
+        raise ConfigError("conversation_prompts", f"--conversation-prompts must not be negative, got "
+                          f"{args.conversation_prompts}", "pass 0 or more")
     num_layers = TargetInfo.from_model(args.model).num_layers or 0
     layers = tuple(dict.fromkeys(k for k in eagle3_default_layers(num_layers) if 0 < k <= num_layers))
     output = args.output.expanduser()
@@ -97,7 +106,8 @@ def _recipe(args: argparse.Namespace) -> Any:
         output=output,
         work_dir=(args.work_dir or output.with_name(output.name + ".work")).expanduser(),
         data=DataSpec(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
-                      dtype=args.dtype, layer_ids=layers, max_num_seqs=args.max_num_seqs),
+                      dtype=args.dtype, layer_ids=layers, max_num_seqs=args.max_num_seqs,
+                      conversation_prompts=args.conversation_prompts),
         head=HeadOptions(depth=args.num_speculative_tokens, draft_vocab_size=args.draft_vocab_size,
                          num_layers=args.num_layers, intermediate_size=args.intermediate_size),
         settings=TrainSettings(epochs=args.epochs, learning_rate=args.learning_rate, batch_rows=args.batch_rows,
@@ -105,4 +115,5 @@ def _recipe(args: argparse.Namespace) -> Any:
         eval_prompts=args.eval_prompts,
         eval_max_tokens=args.eval_max_tokens,
         save_dtype=args.save_dtype,
+        init_from=args.init_from.expanduser() if args.init_from else None,
     )
