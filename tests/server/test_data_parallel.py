@@ -114,12 +114,14 @@ async def complete_all(server: LiveServer, prompts: list[str]) -> list[str]:
         return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
 
 
-def start_streams(base_url: str, count: int) -> tuple[list[threading.Thread], list[list[str]]]:
+def start_streams(
+    base_url: str, count: int, max_tokens: int = LONG["max_tokens"]
+) -> tuple[list[threading.Thread], list[list[str]]]:
     """``count`` long streaming completions on threads; each one's ``data:`` payloads so far."""
     payloads: list[list[str]] = [[] for _ in range(count)]
 
     def stream(index: int) -> None:
-        body = {"prompt": SHORT_PROMPTS[index % len(SHORT_PROMPTS)], "stream": True, **LONG}
+        body = {"prompt": SHORT_PROMPTS[index % len(SHORT_PROMPTS)], "stream": True, **LONG, "max_tokens": max_tokens}
         with httpx.Client(base_url=base_url, timeout=60) as http:
             with http.stream("POST", "/v1/completions", json=body) as response:
                 for line in response.iter_lines():
@@ -258,9 +260,11 @@ def test_a_replica_that_cannot_start_fails_the_server_as_one_engine_would(
 
 
 def test_a_replica_killed_mid_serving_fails_its_requests_and_the_other_serves_on(checkpoint: Path) -> None:
-    for server in serve_replicas(dp_config(checkpoint)):
+    # Streams of 1,000 tokens: long enough to be seen running on both replicas before the kill,
+    # however fast the tiny model decodes.
+    for server in serve_replicas(dp_config(checkpoint, max_model_len=1024)):
         engine = server.engine
-        threads, payloads = start_streams(server.base_url, 4)
+        threads, payloads = start_streams(server.base_url, 4, max_tokens=1000)
         assert {"0": 2.0, "1": 2.0} in observe_running(server, threads, {"0": 2.0, "1": 2.0})
         os.kill(engine.replica_pids[1], signal.SIGKILL)  # while both of its requests generate
         for thread in threads:
