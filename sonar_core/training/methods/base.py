@@ -100,11 +100,12 @@ class HeadTrainer(ABC):
         """The loss of a batch (``generator`` draws anything random, DFlash's anchors)."""
 
     def start_from(self, head_dir: Path) -> None:
-        """Load the weights of a head this method wrote earlier (fine tuning on more data)."""
+        """Load the weights of a head this method wrote earlier (fine tuning on more data). Only
+        EAGLE-3 implements it; the other methods refuse it with a ConfigError."""
         from sonar_core.errors import ConfigError
 
-        raise ConfigError("init_from", f"{self.method} heads cannot start from an earlier head yet",
-                          "train this method from scratch")
+        raise ConfigError("init_from", f"{self.method} heads cannot start from an earlier head: only eagle3 "
+                          "fine-tunes one", "train this method from scratch (leave out --init-from)")
 
     @abstractmethod
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
