@@ -142,9 +142,6 @@ class TargetInfo:
         """From any model reference; see :func:`target_info_for`."""
         return target_info_for(model, revision=revision, tensor_parallel_size=tensor_parallel_size, field=field)
 
-    def with_tensor_parallel_size(self, tensor_parallel_size: int) -> TargetInfo:
-        return replace(self, tensor_parallel_size=tensor_parallel_size)
-
     def with_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> TargetInfo:
         """This target as an engine of these sizes runs it."""
         return replace(self, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)

@@ -153,9 +153,7 @@ def validate_config(
     """
     engine = config if isinstance(config, EngineConfig) else EngineConfig.build(**config)
     if target is None:
-        target = target_info_for(
-            engine.model, revision=engine.revision, tensor_parallel_size=engine.tensor_parallel_size
-        )
+        target = target_info_for(engine.model, revision=engine.revision)
     target = target.with_parallelism(engine.tensor_parallel_size, engine.pipeline_parallel_size)
     engine = validate_engine_config(engine, target)
     _check_tokenizer(engine)

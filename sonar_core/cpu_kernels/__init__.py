@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -153,7 +152,7 @@ def compile_command(compiler: str, source: Path, output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{path}" for path in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    includes = [f"-I{path}" for path in include_paths()]
     libraries = [arg for path in library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}")]
     return [
         compiler,

@@ -10,7 +10,9 @@ decode tokens mixed). Everything that depends only on the batch shape (which cac
 where each query sits in a padded ``[B, max_query_len]`` layout, the boolean mask) is computed once
 per step in :meth:`AttentionMetadata.build` and reused by every layer, so a layer costs: two
 ``index_copy_`` (cache write), two ``index_select`` of whole blocks (context read), one
-``scaled_dot_product_attention``.
+``scaled_dot_product_attention``. On the CPU, Sonar's kernels (:mod:`sonar_core.cpu_kernels`)
+write the cache in one pass and attend decode steps in place, reading each sequence's blocks where
+they lie (see :func:`attends_in_place`).
 
 Grouped-query attention is done without repeating K/V: the query heads that share a KV head are
 folded into the query-length axis (``[B, kv_heads, n_rep * max_query_len, head_dim]``), so one KV

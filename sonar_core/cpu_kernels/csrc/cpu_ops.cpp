@@ -162,22 +162,20 @@ void paged_attention_kernel(
   }
   TORCH_CHECK(starts[num_seqs] == num_tokens, "paged_attention: query_start_loc does not cover the queries");
 
-  // A work item is one query token and the query heads of one KV group: each key and value row is
-  // converted to float once and serves every head of the group. Each query row is computed by the
-  // same loops whatever else is in the step, so verification agrees with decoding to the bit.
-  const int64_t heads_per_item = n_rep;
-  const int64_t items_per_token = num_heads / heads_per_item;
-  const int64_t items = num_tokens * items_per_token;
+  // A work item is one query token and the n_rep query heads of one KV group: each key and value
+  // row is converted to float once and serves every head of the group. Each query row is computed
+  // by the same loops whatever else is in the step, so verification agrees with decoding to the bit.
+  const int64_t items = num_tokens * kv_heads;
   // One item reads its whole context; below a few thousand multiply-adds per item the threads
   // would cost more than they save.
-  const int64_t grain = longest * head_dim * heads_per_item >= 4096 ? 1 : items;
+  const int64_t grain = longest * head_dim * n_rep >= 4096 ? 1 : items;
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(heads_per_item * head_dim), acc(heads_per_item * head_dim), row(head_dim);
-    std::vector<float> scores(heads_per_item * longest);
+    std::vector<float> query(n_rep * head_dim), row(head_dim), sums(kHeadDim > 0 ? 0 : head_dim);
+    std::vector<float> scores(n_rep * longest);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / items_per_token, h0 = (item % items_per_token) * heads_per_item, g = h0 / n_rep;
+      const int64_t t = item / kv_heads, g = item % kv_heads, h0 = g * n_rep;
       const int64_t b = token_seq[t];
       const int64_t query_len = starts[b + 1] - starts[b];
       const int64_t seq_len = lens[b];
@@ -188,7 +186,7 @@ void paged_attention_kernel(
       const int64_t* table = tables + b * table_width;
       const int64_t kv_offset = g * head_dim;
 
-      for (int64_t r = 0; r < heads_per_item; ++r) {
+      for (int64_t r = 0; r < n_rep; ++r) {
         const T* qrow = q_ptr + t * q_token_stride + (h0 + r) * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_f32(qrow[d]);
       }
@@ -199,14 +197,15 @@ void paged_attention_kernel(
         const T* krow = k_ptr + (block * block_size + offset) * kv_slot_stride + kv_offset;
         for (int64_t i = 0; i < run; ++i, krow += kv_slot_stride) {
           for (int64_t d = 0; d < head_dim; ++d) row[d] = to_f32(krow[d]);
-          for (int64_t r = 0; r < heads_per_item; ++r) {
+          for (int64_t r = 0; r < n_rep; ++r) {
             scores[r * longest + p - first + i] = dot(query.data() + r * head_dim, row.data(), head_dim) * fscale;
           }
         }
         p += run;
       }
-      std::vector<float> totals(heads_per_item);
-      for (int64_t r = 0; r < heads_per_item; ++r) {
+      // Per head: softmax weights, then the weighted sum of values in a local array that the
+      // compiler keeps in registers when the head size is fixed (no store and reload per key).
+      for (int64_t r = 0; r < n_rep; ++r) {
         float* w = scores.data() + r * longest;
         float max_score = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < count; ++i) max_score = std::max(max_score, w[i]);
@@ -216,14 +215,8 @@ void paged_attention_kernel(
           w[i] = fast_exp(w[i] - max_score);
           total += w[i];
         }
-        totals[r] = total;
-      }
-      // Values: one head row at a time, its weighted sum in a local array that the compiler
-      // keeps in registers when the head size is fixed (no store and reload per key).
-      for (int64_t r = 0; r < heads_per_item; ++r) {
-        const float* w = scores.data() + r * longest;
         float local[kHeadDim > 0 ? kHeadDim : 1];
-        float* a = kHeadDim > 0 ? local : acc.data() + r * head_dim;
+        float* a = kHeadDim > 0 ? local : sums.data();
         std::fill(a, a + head_dim, 0.f);
         for (int64_t p = first; p <= last;) {
           const int64_t block = table[p / block_size], offset = p % block_size;
@@ -235,12 +228,9 @@ void paged_attention_kernel(
           }
           p += run;
         }
-        if (kHeadDim > 0) std::copy_n(local, head_dim, acc.data() + r * head_dim);
-      }
-      for (int64_t r = 0; r < heads_per_item; ++r) {
         T* orow = out_ptr + t * num_heads * head_dim + (h0 + r) * head_dim;
-        const float inv = 1.f / totals[r];
-        for (int64_t d = 0; d < head_dim; ++d) orow[d] = from_f32<T>(acc[r * head_dim + d] * inv);
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < head_dim; ++d) orow[d] = from_f32<T>(a[d] * inv);
       }
     }
   });
