@@ -40,14 +40,19 @@ from sonar_core.model_files import cache_root
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "SONAR_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SOURCE_DIR = Path(__file__).with_name("csrc")
+# Picks the instruction set the kernels are compiled for: this CPU's by default; an older one
+# (for example ``haswell`` for AVX2 only) builds the paths that CPUs without AVX-512 take, so that
+# tests can run them on a newer machine.
+ARCH_ENV = "SONAR_CPU_KERNELS_ARCH"
 # The dtypes the kernels are compiled for.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes the skinny matmul (``csrc/skinny_linear.cpp``) packs.
+SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # -mprefer-vector-width=512: GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (harmless
 # where the CPU has no AVX-512).
 COMPILE_FLAGS = (
     "-O3",
-    "-march=native",
     "-mprefer-vector-width=512",
     "-fopenmp",
     "-std=c++17",
@@ -111,11 +116,24 @@ def disabled() -> Iterator[None]:
         _State.forced_off -= 1
 
 
+def sources() -> list[Path]:
+    """The C++ files compiled into the library (headers beside them are included)."""
+    return sorted(SOURCE_DIR.glob("*.cpp"))
+
+
+def compile_flags() -> tuple[str, ...]:
+    """:data:`COMPILE_FLAGS` plus the target instruction set (:data:`ARCH_ENV`, default native)."""
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    return (f"-march={arch}", *COMPILE_FLAGS)
+
+
 def library_path() -> Path:
-    """Where the compiled library for this source, compiler flags, torch and CPU lives."""
+    """Where the compiled library for these sources, compiler flags, torch and CPU lives."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
-    key.update(" ".join(COMPILE_FLAGS).encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        key.update(path.name.encode())
+        key.update(path.read_bytes())
+    key.update(" ".join(compile_flags()).encode())
     key.update(torch.__version__.encode())
     key.update(sys.version.encode())
     key.update(" ".join(sorted(cpu_flags())).encode())
@@ -147,25 +165,33 @@ def _compiler() -> str:
     return found
 
 
-def compile_command(compiler: str, source: Path, output: Path) -> list[str]:
-    """The compiler call that builds the library against this torch."""
+def compile_commands(compiler: str, scratch: Path, output: Path) -> tuple[list[list[str]], list[str]]:
+    """The compiler calls that build the library against this torch: one per source (run side by
+    side, since each spends most of its time parsing ATen's headers), then the link."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{path}" for path in include_paths()]
     libraries = [arg for path in library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}")]
-    return [
-        compiler,
-        *COMPILE_FLAGS,
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *includes,
-        str(source),
-        "-o",
-        str(output),
-        *libraries,
-        "-lc10",
-        "-ltorch_cpu",
+    objects = [scratch / f"{source.stem}.o" for source in sources()]
+    compiles = [
+        [compiler, *compile_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(sources(), objects, strict=True)
     ]
+    link = [compiler, *compile_flags(), *(str(obj) for obj in objects), "-o", str(output), *libraries, "-lc10", "-ltorch_cpu"]
+    return compiles, link
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Run the compiler calls at once; the first failure's messages become the error."""
+    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+    failures = []
+    for process in running:
+        _, errors = process.communicate()
+        if process.returncode != 0:
+            failures.append(errors.strip())
+    if failures:
+        raise RuntimeError(f"compiling {SOURCE_DIR} failed: {failures[0][-2000:]}")
 
 
 def _build(path: Path) -> None:
@@ -180,10 +206,8 @@ def _build(path: Path) -> None:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
             partial = Path(scratch) / path.name
-            result = subprocess.run(
-                compile_command(compiler, SOURCE, partial), capture_output=True, text=True, check=False
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+            compiles, link = compile_commands(compiler, Path(scratch), partial)
+            _run_all(compiles)
+            _run_all([link])
             os.replace(partial, path)
         logger.info("Sonar's CPU kernels built in %.0f s", time.perf_counter() - start)

@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "convert.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -33,33 +35,9 @@
 
 namespace {
 
-// float32 <-> the tensor's dtype. bfloat16 by bit operations, rounding to nearest even as c10 does
-// (NaN to the canonical NaN) but without c10's branch, which keeps loops from vectorising.
-template <typename T>
-inline float to_f32(T x) {
-  return static_cast<float>(x);
-}
-
-inline float to_f32(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename T>
-inline T from_f32(float x) {
-  return static_cast<T>(x);
-}
-
-template <>
-inline c10::BFloat16 from_f32<c10::BFloat16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint32_t nearest_even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint16_t bits = x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>(nearest_even);
-  return c10::BFloat16(bits, c10::BFloat16::from_bits());
-}
+using sonar::from_f32;
+using sonar::rounded;
+using sonar::to_f32;
 
 // The dot product of two float32 rows, with one vector accumulator and a shuffle-tree sum at the
 // end: compilers turn a plain reduction loop into a chain of dependent scalar adds, which made
@@ -114,12 +92,6 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x <= -87.3f ? 0.f : p * scale;
-}
-
-// Rounds to T and back: the value a PyTorch op of dtype T would hand to the next op.
-template <typename T>
-inline float rounded(float x) {
-  return to_f32(from_f32<T>(x));
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
