@@ -1,14 +1,18 @@
-"""A linear layer with a prepacked-weight fast path for bf16/fp16 on the CPU.
+"""A linear layer that multiplies with a packed copy of its weight on the CPU.
 
-With half-precision weights on the CPU, ``F.linear`` hands the weight to oneDNN in its plain layout
-on every call, and oneDNN re-blocks it each time. At decode batch sizes that re-blocking costs as
-much as the multiply itself. :func:`prepack_linears` keeps one copy of each weight in oneDNN's
-blocked layout and :class:`Linear` multiplies with it: the same arithmetic (bit-identical results
-on the machines we measured), 1.5-2x faster per projection at 1-16 tokens.
+* Sonar's skinny-matmul kernel (``sonar_core/cpu_kernels/csrc/skinny_linear.cpp``), for float32
+  and bfloat16. At decode and verification sizes a projection reads its whole weight for a few
+  rows, so its speed is the memory's: the kernel streams a weight packed for it at close to the
+  read bandwidth (1.4-3x the library matmuls at 1-8 rows, docs/performance.md), gives each row the
+  same bits whatever else is in the batch, and on AMX CPUs stays ahead of oneDNN up to prefill
+  sizes. Beyond its row limit (:data:`SKINNY_ROWS`) ``F.linear`` runs on the dense weight.
+* Otherwise, for bf16/fp16 weights, oneDNN's blocked layout: ``F.linear`` would hand oneDNN the
+  plain layout on every call, and re-blocking it costs as much as the multiply at decode sizes.
 
-The dense weight stays as the parameter (weight loading, sharing the LM head with proposers and
-state dicts keep working), so a packed model holds its projection weights twice. Any device or
-dtype move of the module drops the packed copy; loading new weights must re-pack (the loader does).
+:func:`prepack_linears` makes the copy this machine can use. The dense weight stays as the
+parameter (weight loading, sharing the LM head with proposers and state dicts keep working), so a
+packed model holds its projection weights twice. Any device or dtype move of the module drops the
+packed copy, and a weight changed in place is packed again on its next use.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core import cpu_kernels
 from sonar_core.layers.tensor_parallel import TensorParallel
 from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 
@@ -35,20 +40,83 @@ def cpu_prepack_available(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that uses a prepacked weight when :func:`prepack_linears` gave it one."""
+# The most rows for which the skinny kernel stays ahead of the library's matmul, by the code path
+# it takes (``skinny_linear_path``), measured side by side with
+# `python -m sonar_core.models.linear_benchmark` (docs/performance.md): AMX tiles led oneDNN up to
+# 512 rows, the AVX512-BF16 vector path led oneDNN without AMX up to 128, float32 on AVX-512 led MKL
+# up to 64 and on AVX2 up to 32. The portable C++ loops are not used.
+SKINNY_ROWS = {"amx": 512, "avx512_bf16": 128, "avx512": 64, "avx2": 32, "generic": 0}
 
-    packed_weight: torch.Tensor | None = None
+
+def skinny_rows_limit(dtype: torch.dtype) -> int:
+    """The most rows for which :class:`Linear` takes the skinny kernel on this CPU (0: never)."""
+    ops = cpu_kernels.load() if dtype in cpu_kernels.SKINNY_DTYPES else None
+    return 0 if ops is None else SKINNY_ROWS.get(ops.skinny_linear_path(dtype), 0)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that multiplies with the packed copies :meth:`pack` made of its weight.
+
+    The packed copies follow the weight: one changed in place since (its version counter moved,
+    or its storage was swapped) is packed again on the next call, and while autograd records the
+    weight (training) the dense path runs, since the kernels have no backward.
+    """
+
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
+    skinny_weight: torch.Tensor | None = None  # the skinny kernel's layout
+    skinny_rows: int = 0  # the most rows for which the skinny kernel is used
+    packed_from: tuple[int, int] | None = None  # the weight's (storage, version) when packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.multiply(x, self.bias)
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` by the fastest path this layer was packed for."""
+        if self.packed_from is None or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.linear(x, self.weight, bias)
+        if self.packed_from != _identity(self.weight):
+            self.pack()
+        if self.skinny_weight is not None and x.numel() <= self.skinny_rows * self.in_features:
+            ops = cpu_kernels.for_tensor(x)
+            if ops is not None and x.dtype == self.skinny_weight.dtype:
+                rows = x.reshape(-1, self.in_features)
+                out = ops.skinny_linear(rows, self.skinny_weight, bias, self.out_features)
+                return out.view(*x.shape[:-1], self.out_features)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+    def pack(self) -> bool:
+        """Make the packed copy this machine can use of a CPU weight: the skinny kernel's
+        (:func:`pack_skinny`) where it takes the weight, else oneDNN's for bf16/fp16; whether one
+        was made. Only one, so that a model holds its weights at most twice."""
+        self.unpack()
+        weight = self.weight.detach()
+        if weight.device.type != "cpu":
+            return False
+        self.skinny_weight, self.skinny_rows = pack_skinny(weight)
+        if self.skinny_weight is None and cpu_prepack_available(weight.dtype):
+            # The batch-size hint only tunes the blocking; 1 suits decode, and larger inputs stay fast.
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        if self.skinny_weight is None and self.packed_weight is None:
+            return False
+        self.packed_from = _identity(self.weight)
+        return True
+
+    def unpack(self) -> None:
+        """Forget the packed copies (the dense weight serves alone)."""
+        self.packed_weight = self.skinny_weight = self.packed_from = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
-        # A moved or cast weight invalidates the packed copy.
-        self.packed_weight = None
+        # A moved or cast weight invalidates the packed copies.
+        self.unpack()
         return super()._apply(fn, recurse)
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int]:
+    """What tells a weight changed since it was packed: its storage and its in-place version
+    (tensors made under ``torch.inference_mode`` keep no version; only their storage tells)."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
 
 class RowParallelLinear(Linear):
@@ -61,11 +129,7 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            partial = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
-        else:
-            partial = F.linear(x, self.weight)
-        out = self.parallel.all_reduce(partial)
+        out = self.parallel.all_reduce(self.multiply(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -80,25 +144,23 @@ def output_projection(in_features: int, out_features: int, bias: bool) -> Linear
 
 
 def prepack_linears(module: nn.Module) -> int:
-    """Pack the weight of every :class:`Linear` in ``module`` that sits on the CPU in a packable
-    dtype; returns how many were packed (0 when the platform offers no packing).
-    """
-    packed = 0
-    for layer in module.modules():
-        if not isinstance(layer, Linear):
-            continue
-        weight = layer.weight
-        if weight.device.type != "cpu" or not cpu_prepack_available(weight.dtype):
-            layer.packed_weight = None
-            continue
-        # The batch-size hint only tunes the blocking; 1 suits decode, and larger inputs stay fast.
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        packed += 1
-    return packed
+    """:meth:`Linear.pack` every :class:`Linear` in ``module``; returns how many got a packed copy
+    (0 when the platform offers no packing)."""
+    return sum(layer.pack() for layer in module.modules() if isinstance(layer, Linear))
+
+
+def pack_skinny(weight: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``weight`` in the skinny kernel's layout and the most rows to use it for, or ``(None, 0)``
+    where the kernel is not built or does not take this weight."""
+    ops = cpu_kernels.for_tensor(weight)  # None where the kernels are off, as in cpu_kernels.disabled()
+    rows = skinny_rows_limit(weight.dtype) if ops is not None else 0
+    if not rows or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+        return None, 0
+    return ops.pack_linear_weight(weight), rows
 
 
 def drop_prepacked(module: nn.Module) -> None:
     """Forget every packed weight (before the dense weights change)."""
     for layer in module.modules():
         if isinstance(layer, Linear):
-            layer.packed_weight = None
+            layer.unpack()

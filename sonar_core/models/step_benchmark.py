@@ -2,8 +2,9 @@
 
 Same checkpoint, same input, same thread count: ``C`` cached tokens, then a step of ``q`` new
 tokens (1 = a decode step, more = verifying drafts), logits included. Sonar runs twice, on its CPU
-kernels and on PyTorch's operators alone (what machines without a compiler get); the three
-alternate step by step so that background load hits all alike; medians are reported.
+kernels and on PyTorch's operators alone (a second copy of the model, loaded with the kernels off:
+what machines without a compiler get, oneDNN's packed weights included); the three alternate step
+by step so that background load hits all alike; medians are reported.
 
     python -m sonar_core.models.step_benchmark --dtypes float32,bfloat16 --threads 2
 """
@@ -43,6 +44,8 @@ def compare(
 
     loaded = load_model(model, dtype, "cpu")
     ours = loaded.model
+    with cpu_kernels.disabled():
+        ours_without_kernels = load_model(model, dtype, "cpu").model
     theirs = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=dtype).eval()
     longest = context + max(new_tokens)
     vocab_size = loaded.hf_config.get_text_config(decoder=True).vocab_size
@@ -62,12 +65,14 @@ def compare(
         for q in new_tokens:
             step_ids = ids[context : context + q]
 
-            def ours_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
+            def ours_step(
+                q: int = q, step_ids: torch.Tensor = step_ids, model: torch.nn.Module = ours
+            ) -> torch.Tensor:
                 meta = AttentionMetadata.build(
                     [q] * batch, [context + q] * batch, tables, block_size, torch.device("cpu")
                 )
-                hidden = ours(step_ids.repeat(batch), meta.positions, caches, meta)
-                return ours.compute_logits(hidden)
+                hidden = model(step_ids.repeat(batch), meta.positions, caches, meta)
+                return model.compute_logits(hidden)
 
             def theirs_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
                 logits = theirs(step_ids[None].expand(batch, -1), past_key_values=cache, use_cache=True).logits
@@ -76,7 +81,7 @@ def compare(
 
             def ours_on_pytorch_ops() -> torch.Tensor:
                 with cpu_kernels.disabled():
-                    return ours_step()
+                    return ours_step(model=ours_without_kernels)
 
             steps = (ours_step, ours_on_pytorch_ops, theirs_step)
             for _ in range(3):

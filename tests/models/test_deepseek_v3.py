@@ -16,6 +16,7 @@ from test_model_parity import assert_close, assert_mixed_batch_parity, reference
 from aphrodite import LLM, SamplingParams
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
+from sonar_core.layers.linear import prepack_linears
 from sonar_core.layers.mla import MLAConfig
 from sonar_core.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3LayerConfig
 from sonar_core.models.loader import load_model
@@ -189,6 +190,7 @@ def test_a_standalone_layer_loads_its_tensors_and_equals_the_models(checkpoint, 
     source = model.model.layers[1]
     tensors = _layer_tensors(load_file(path / "model.safetensors"), 1).items()
     load_named_weights(layer, tensors, DeepseekV3LayerConfig.from_hf_config(config).fused_projections())
+    prepack_linears(layer)  # as load_head_checkpoint does, so both take the same matmul paths
 
     runner = paged_runner(model)
     metadata = runner.metadata({"a": [1, 2, 3, 4, 5], "b": [6, 7]})

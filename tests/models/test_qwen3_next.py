@@ -16,6 +16,7 @@ from test_model_parity import assert_close, assert_mixed_batch_parity, reference
 
 from sonar_core.kv import StateLayerSpec, allocate_kv_cache
 from sonar_core.layers.delta_rule import chunked_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from sonar_core.layers.linear import prepack_linears
 from sonar_core.layers.norms import GatedRMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.recurrent_batch import RECURRENT_MAX_TOKENS
 from sonar_core.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
@@ -272,6 +273,7 @@ def test_the_mtp_block_builds_from_the_config_and_equals_the_models_layer(with_m
     assert layer.kv_spec() == model.kv_cache_specs()[-1]
     tensors = _layer_tensors(load_file(with_mtp / "model.safetensors"), "mtp.layers.0.")
     load_named_weights(layer, tensors.items(), config.fused_projections())
+    prepack_linears(layer)  # as load_head_checkpoint does, so both take the same matmul paths
 
     runner = paged_runner(model)
     metadata = runner.metadata({"a": [1, 2, 3, 4, 5], "b": [6, 7]})

@@ -1,0 +1,526 @@
+// Skinny matmuls: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) for the few rows of a decode or
+// verification step.
+//
+// Why: with a handful of rows a linear layer reads its whole weight to produce a few outputs, so
+// its speed is the memory's. oneDNN's and MKL's kernels reach well under half of the read
+// bandwidth there (docs/performance.md); these read every weight byte once per call, in the order
+// pack_linear_weight lays them out, with every row's accumulators in registers.
+//
+// Packed layout: output features in blocks of 16 (the last block zero-padded).
+//   float32:  [blocks, K, 16]
+//   bfloat16: [blocks, K / 2, 16, 2], two neighbouring inputs side by side (the layout AVX512-BF16's
+//             pair dot product reads; the other paths split the pairs with two bit operations).
+//
+// Batch invariance: every output element is accumulated over k in the same order, by the same
+// instructions, whatever the number of rows and wherever its row sits, so verifying k drafts in
+// one call gives bit for bit what decoding them one at a time gives.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "convert.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace {
+
+using sonar::from_f32;
+
+constexpr int64_t kBlock = 16;  // output features per packed block
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// ---- one instruction set's arithmetic on a block of 16 outputs --------------------------------
+// Acc: 16 float32 accumulators. F32 / Bf16: a broadcast input (one float, or one pair of bfloat16
+// inputs) and one packed weight row of the block, and the multiply-add of the two into Acc.
+// Each path states its register tiles: kTileBlocks x kTileRows for several rows, and
+// kSingleRowBlocks for one row (enough independent accumulators to hide the multiply-add latency).
+
+#if defined(__AVX512F__)
+constexpr const char* kPath =
+#if defined(__AVX512BF16__)
+    "avx512_bf16";
+#else
+    "avx512";
+#endif
+
+struct Acc {
+  __m512 v;
+  static Acc zero() { return {_mm512_setzero_ps()}; }
+  void store(float* out) const { _mm512_storeu_ps(out, v); }
+};
+
+struct F32 {
+  using Weight = float;
+  static constexpr int64_t kInputs = 1;  // inputs per packed row
+  static constexpr int kTileBlocks = 4, kTileRows = 4, kSingleRowBlocks = 8;
+  struct Input {
+    __m512 v;
+  };
+  struct Row {
+    __m512 v;
+  };
+  static Input input(const float* x) { return {_mm512_set1_ps(*x)}; }
+  static Row row(const float* w) { return {_mm512_loadu_ps(w)}; }
+  static void fma(Acc& a, const Input& x, const Row& w) { a.v = _mm512_fmadd_ps(x.v, w.v, a.v); }
+};
+
+struct Bf16 {
+  using Weight = uint16_t;
+  static constexpr int64_t kInputs = 2;
+  static constexpr int kTileBlocks = 4, kTileRows = 4, kSingleRowBlocks = 8;
+#if defined(__AVX512BF16__)
+  struct Input {
+    __m512bh pair;
+  };
+  struct Row {
+    __m512bh pairs;
+  };
+  static Input input(const uint16_t* x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return {(__m512bh)_mm512_set1_epi32(static_cast<int>(pair))};
+  }
+  static Row row(const uint16_t* w) { return {(__m512bh)_mm512_loadu_si512(w)}; }
+  static void fma(Acc& a, const Input& x, const Row& w) { a.v = _mm512_dpbf16_ps(a.v, x.pair, w.pairs); }
+#else
+  struct Input {
+    __m512 even, odd;
+  };
+  struct Row {
+    __m512 even, odd;
+  };
+  static Input input(const uint16_t* x) {
+    return {_mm512_set1_ps(bits_to_float(uint32_t{x[0]} << 16)), _mm512_set1_ps(bits_to_float(uint32_t{x[1]} << 16))};
+  }
+  static Row row(const uint16_t* w) {
+    const __m512i pairs = _mm512_loadu_si512(w);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  static void fma(Acc& a, const Input& x, const Row& w) {
+    a.v = _mm512_fmadd_ps(x.even, w.even, a.v);
+    a.v = _mm512_fmadd_ps(x.odd, w.odd, a.v);
+  }
+#endif
+};
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kPath = "avx2";
+
+struct Acc {
+  __m256 lo, hi;
+  static Acc zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  void store(float* out) const {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+  }
+};
+
+struct F32 {
+  using Weight = float;
+  static constexpr int64_t kInputs = 1;
+  static constexpr int kTileBlocks = 2, kTileRows = 2, kSingleRowBlocks = 4;
+  struct Input {
+    __m256 v;
+  };
+  struct Row {
+    __m256 lo, hi;
+  };
+  static Input input(const float* x) { return {_mm256_set1_ps(*x)}; }
+  static Row row(const float* w) { return {_mm256_loadu_ps(w), _mm256_loadu_ps(w + 8)}; }
+  static void fma(Acc& a, const Input& x, const Row& w) {
+    a.lo = _mm256_fmadd_ps(x.v, w.lo, a.lo);
+    a.hi = _mm256_fmadd_ps(x.v, w.hi, a.hi);
+  }
+};
+
+struct Bf16 {
+  using Weight = uint16_t;
+  static constexpr int64_t kInputs = 2;
+  static constexpr int kTileBlocks = 1, kTileRows = 4, kSingleRowBlocks = 2;
+  struct Input {
+    __m256 even, odd;
+  };
+  struct Row {
+    __m256 even_lo, odd_lo, even_hi, odd_hi;
+  };
+  static Input input(const uint16_t* x) {
+    return {_mm256_set1_ps(bits_to_float(uint32_t{x[0]} << 16)), _mm256_set1_ps(bits_to_float(uint32_t{x[1]} << 16))};
+  }
+  static Row row(const uint16_t* w) {
+    const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_and_si256(lo, mask)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
+  }
+  static void fma(Acc& a, const Input& x, const Row& w) {
+    a.lo = _mm256_fmadd_ps(x.even, w.even_lo, a.lo);
+    a.hi = _mm256_fmadd_ps(x.even, w.even_hi, a.hi);
+    a.lo = _mm256_fmadd_ps(x.odd, w.odd_lo, a.lo);
+    a.hi = _mm256_fmadd_ps(x.odd, w.odd_hi, a.hi);
+  }
+};
+
+#else
+constexpr const char* kPath = "generic";
+
+struct Acc {
+  float v[kBlock];
+  static Acc zero() { return {}; }
+  void store(float* out) const { std::memcpy(out, v, sizeof(v)); }
+};
+
+struct F32 {
+  using Weight = float;
+  static constexpr int64_t kInputs = 1;
+  static constexpr int kTileBlocks = 1, kTileRows = 4, kSingleRowBlocks = 1;
+  struct Input {
+    float v;
+  };
+  struct Row {
+    const float* w;
+  };
+  static Input input(const float* x) { return {*x}; }
+  static Row row(const float* w) { return {w}; }
+  static void fma(Acc& a, const Input& x, const Row& w) {
+    for (int64_t l = 0; l < kBlock; ++l) a.v[l] += x.v * w.w[l];
+  }
+};
+
+struct Bf16 {
+  using Weight = uint16_t;
+  static constexpr int64_t kInputs = 2;
+  static constexpr int kTileBlocks = 1, kTileRows = 4, kSingleRowBlocks = 1;
+  struct Input {
+    float even, odd;
+  };
+  struct Row {
+    const uint16_t* w;
+  };
+  static Input input(const uint16_t* x) {
+    return {bits_to_float(uint32_t{x[0]} << 16), bits_to_float(uint32_t{x[1]} << 16)};
+  }
+  static Row row(const uint16_t* w) { return {w}; }
+  static void fma(Acc& a, const Input& x, const Row& w) {
+    for (int64_t l = 0; l < kBlock; ++l) {
+      a.v[l] += x.even * bits_to_float(uint32_t{w.w[2 * l]} << 16);
+      a.v[l] += x.odd * bits_to_float(uint32_t{w.w[2 * l + 1]} << 16);
+    }
+  }
+};
+#endif
+
+// ---- the register tile: kRows rows of x against kBlocks packed blocks --------------------------
+
+// acc_out[r][j * 16 + l]: row r, output l of block j, for rows 0..kRows-1 (x's row stride is
+// x_stride inputs; a block is block_stride weights apart from the next).
+template <typename P, int kBlocks, int kRows>
+inline void tile(const typename P::Weight* x, int64_t x_stride, const typename P::Weight* w, int64_t block_stride,
+                 int64_t steps, float* acc_out) {
+  Acc acc[kRows][kBlocks];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kBlocks; ++j) acc[r][j] = Acc::zero();
+  constexpr int64_t row_width = kBlock * P::kInputs;  // weights per packed row
+  for (int64_t s = 0; s < steps; ++s) {
+    typename P::Row rows[kBlocks];
+    for (int j = 0; j < kBlocks; ++j) rows[j] = P::row(w + j * block_stride + s * row_width);
+    for (int r = 0; r < kRows; ++r) {
+      const typename P::Input input = P::input(x + r * x_stride + s * P::kInputs);
+      for (int j = 0; j < kBlocks; ++j) P::fma(acc[r][j], input, rows[j]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kBlocks; ++j) acc[r][j].store(acc_out + (r * kBlocks + j) * kBlock);
+}
+
+// The same tile for the rows and blocks actually left (fewer at the edges): the compiled tile
+// sizes count down to the requested ones, so every tile keeps its accumulators in registers.
+template <typename P, int kBlocks, int kRows>
+inline void edge_tile(int blocks, int rows, const typename P::Weight* x, int64_t x_stride,
+                      const typename P::Weight* w, int64_t block_stride, int64_t steps, float* acc_out) {
+  if constexpr (kBlocks > 1) {
+    if (blocks < kBlocks) return edge_tile<P, kBlocks - 1, kRows>(blocks, rows, x, x_stride, w, block_stride, steps, acc_out);
+  }
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return edge_tile<P, kBlocks, kRows - 1>(blocks, rows, x, x_stride, w, block_stride, steps, acc_out);
+  }
+  tile<P, kBlocks, kRows>(x, x_stride, w, block_stride, steps, acc_out);
+}
+
+// Rounds nr rows of a tile's accumulators (acc[r][j * 16 + l], nb blocks wide) to T with the bias
+// added, into out's rows (row stride `outputs`) at the outputs of blocks b0 onwards.
+template <typename T>
+inline void write_rows(const float* acc, int nb, int nr, int64_t b0, const T* bias, T* out, int64_t outputs) {
+  for (int r = 0; r < nr; ++r) {
+    T* orow = out + r * outputs;
+    for (int j = 0; j < nb; ++j) {
+      const float* a = acc + (r * nb + j) * kBlock;
+      const int64_t n0 = (b0 + j) * kBlock, count = std::min(kBlock, outputs - n0);
+      for (int64_t l = 0; l < count; ++l) orow[n0 + l] = from_f32<T>(bias ? a[l] + sonar::to_f32(bias[n0 + l]) : a[l]);
+    }
+  }
+}
+
+// All rows times blocks [begin, end), in tiles of kBlocks x kRows.
+template <typename T, typename P, int kBlocks, int kRows>
+void tiles(const typename P::Weight* x, const typename P::Weight* w, const T* bias, T* out, int64_t rows,
+           int64_t begin, int64_t end, int64_t inputs, int64_t outputs, int64_t steps) {
+  const int64_t block_stride = steps * kBlock * P::kInputs;
+  float acc[kRows * kBlocks * kBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kBlocks) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlocks, end - b0));
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+      edge_tile<P, kBlocks, kRows>(nb, nr, x + r0 * inputs, inputs, w + b0 * block_stride, block_stride, steps, acc);
+      write_rows(acc, nb, nr, b0, bias, out + r0 * outputs, outputs);
+    }
+  }
+}
+
+template <typename T, typename P>
+void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), inputs = x.size(1), outputs = out.size(1);
+  const int64_t blocks = packed.size(0), steps = packed.size(1);
+  const auto* xp = reinterpret_cast<const typename P::Weight*>(x.data_ptr<T>());
+  const auto* wp = reinterpret_cast<const typename P::Weight*>(packed.data_ptr<T>());
+  const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  // Below ~64k multiply-adds a second thread costs more than it saves.
+  const int64_t grain = rows * outputs * inputs < (int64_t{1} << 16) ? blocks : P::kTileBlocks;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    if (rows == 1) {
+      tiles<T, P, P::kSingleRowBlocks, 1>(xp, wp, bp, op, 1, begin, end, inputs, outputs, steps);
+    } else {
+      tiles<T, P, P::kTileBlocks, P::kTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
+    }
+  });
+}
+
+// ---- AMX: bfloat16 tiles of 16 rows x 16 outputs ------------------------------------------------
+// Where the CPU has AMX, bfloat16 calls of more than kAmxMinRows rows take it: a tile
+// multiply-add costs the same for 1 row as for 16, so it stays ahead of oneDNN up to prefill sizes
+// (512 rows measured), where the vector path becomes compute-bound beyond 8 rows. Up to 8 rows
+// the vector path streams the weights faster (measured: 1.4-1.7x at 1-4 rows), and every row
+// count up to 8 still gets the same bits, so decoding and verifying up to 7 drafts agree exactly.
+// Rows are padded to a multiple of 16 in a scratch copy, so one tile configuration serves every
+// call. The packed layout is the vector path's: 16 pairs of inputs of one block are one B tile.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr int64_t kAmxRows = 16, kAmxInputs = 32, kAmxBlocks = 4, kAmxMinRows = 9;
+
+// Linux hands out the AMX register state only on request, once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators of four blocks; 4: 16 rows of x; 5, 6: weights, alternately.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// acc[r][j * 16 + l] for the 16 rows at x (row stride x_bytes) and kBlocks blocks at w.
+template <int kBlocks>
+inline void amx_tile(const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t block_stride, int64_t input_tiles,
+                     float* acc) {
+  _tile_zero(0);
+  if constexpr (kBlocks > 1) _tile_zero(1);
+  if constexpr (kBlocks > 2) _tile_zero(2);
+  if constexpr (kBlocks > 3) _tile_zero(3);
+  constexpr int64_t tile_weights = kAmxInputs * kBlock;  // 16 pairs x 16 outputs x 2
+  for (int64_t t = 0; t < input_tiles; ++t) {
+    const uint16_t* wt = w + t * tile_weights;
+    _tile_loadd(4, x + t * kAmxInputs, x_bytes);
+    _tile_loadd(5, wt, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (kBlocks > 1) {
+      _tile_loadd(6, wt + block_stride, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (kBlocks > 2) {
+      _tile_loadd(5, wt + 2 * block_stride, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (kBlocks > 3) {
+      _tile_loadd(6, wt + 3 * block_stride, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  constexpr int64_t acc_bytes = kBlocks * kBlock * sizeof(float);
+  _tile_stored(0, acc, acc_bytes);
+  if constexpr (kBlocks > 1) _tile_stored(1, acc + kBlock, acc_bytes);
+  if constexpr (kBlocks > 2) _tile_stored(2, acc + 2 * kBlock, acc_bytes);
+  if constexpr (kBlocks > 3) _tile_stored(3, acc + 3 * kBlock, acc_bytes);
+}
+
+template <int kBlocks>
+inline void amx_edge_tile(int blocks, const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t block_stride,
+                          int64_t input_tiles, float* acc) {
+  if constexpr (kBlocks > 1) {
+    if (blocks < kBlocks) return amx_edge_tile<kBlocks - 1>(blocks, x, x_bytes, w, block_stride, input_tiles, acc);
+  }
+  amx_tile<kBlocks>(x, x_bytes, w, block_stride, input_tiles, acc);
+}
+
+bool amx_takes(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows && x.size(1) % kAmxInputs == 0 &&
+         amx_permitted();
+}
+
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), inputs = x.size(1), outputs = out.size(1);
+  const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+  at::Tensor padded = x;
+  if (padded_rows != rows) {
+    padded = at::zeros({padded_rows, inputs}, x.options());
+    padded.narrow(0, 0, rows).copy_(x);
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(padded.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* bp = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = packed.size(0), block_stride = packed.size(1) * kBlock * 2;
+  const int64_t input_tiles = inputs / kAmxInputs, x_bytes = inputs * 2;
+  const int64_t grain = rows * outputs * inputs < (int64_t{1} << 16) ? blocks : kAmxBlocks;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float acc[kAmxRows * kAmxBlocks * kBlock];
+    for (int64_t b0 = begin; b0 < end; b0 += kAmxBlocks) {
+      const int nb = static_cast<int>(std::min<int64_t>(kAmxBlocks, end - b0));
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+        amx_edge_tile<kAmxBlocks>(nb, xp + r0 * inputs, x_bytes, wp + b0 * block_stride, block_stride, input_tiles, acc);
+        write_rows(acc, nb, static_cast<int>(std::min(kAmxRows, rows - r0)), b0, bp, op + r0 * outputs, outputs);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+bool amx_takes(const at::Tensor&) { return false; }
+void amx_linear(const at::Tensor&, const at::Tensor&, const at::Tensor*, at::Tensor&) {}
+#endif
+
+// ---- operators --------------------------------------------------------------------------------
+
+bool packable(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kFloat || (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0);
+}
+
+template <typename T>
+void pack_kernel(const at::Tensor& weight, at::Tensor& packed) {
+  const int64_t outputs = weight.size(0), inputs = weight.size(1);
+  const int64_t pairs = packed.dim() == 4 ? 2 : 1;  // inputs side by side in a packed row
+  const int64_t steps = packed.size(1), block_stride = steps * kBlock * pairs;
+  const T* src = weight.data_ptr<T>();
+  T* dst = packed.data_ptr<T>();
+  at::parallel_for(0, packed.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t l = 0; l < kBlock && b * kBlock + l < outputs; ++l) {
+        const T* row = src + (b * kBlock + l) * inputs;
+        for (int64_t k = 0; k < inputs; ++k) dst[b * block_stride + (k / pairs) * kBlock * pairs + l * pairs + k % pairs] = row[k];
+      }
+    }
+  });
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_linear_weight: weight must be a [out, in] CPU tensor");
+  TORCH_CHECK(packable(weight), "pack_linear_weight: float32 weights, or bfloat16 with an even input width");
+  const auto dense = weight.contiguous();
+  const int64_t blocks = (dense.size(0) + kBlock - 1) / kBlock;
+  const bool pairs = dense.scalar_type() == at::kBFloat16;
+  auto packed = pairs ? at::zeros({blocks, dense.size(1) / 2, kBlock, 2}, dense.options())
+                      : at::zeros({blocks, dense.size(1), kBlock}, dense.options());
+  if (pairs) {
+    pack_kernel<c10::BFloat16>(dense, packed);
+  } else {
+    pack_kernel<float>(dense, packed);
+  }
+  return packed;
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "skinny_linear: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == packed.scalar_type(), "skinny_linear: x must be [rows, in] of the packed weight's dtype");
+  const bool pairs = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == (pairs ? 4 : 3) && packed.size(2) == kBlock && packed.is_contiguous(),
+              "skinny_linear: packed must come from pack_linear_weight");
+  TORCH_CHECK(x.size(1) == packed.size(1) * (pairs ? 2 : 1), "skinny_linear: x's width does not match the weight");
+  TORCH_CHECK(out_features > 0 && (out_features + kBlock - 1) / kBlock == packed.size(0),
+              "skinny_linear: out_features does not match the packed weight");
+  const at::Tensor* bias_ptr = nullptr;
+  at::Tensor bias_dense;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features && bias->scalar_type() == x.scalar_type(),
+                "skinny_linear: bias must be [out_features] of x's dtype");
+    bias_dense = bias->contiguous();
+    bias_ptr = &bias_dense;
+  }
+  const auto xc = x.contiguous();
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  if (amx_takes(xc)) {
+    amx_linear(xc, packed, bias_ptr, out);
+  } else if (pairs) {
+    skinny_linear_kernel<c10::BFloat16, Bf16>(xc, packed, bias_ptr, out);
+  } else {
+    skinny_linear_kernel<float, F32>(xc, packed, bias_ptr, out);
+  }
+  return out;
+}
+
+// The code path a dtype's calls take on this machine (for benchmarks and tests).
+std::string skinny_linear_path(at::ScalarType dtype) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (dtype == at::kBFloat16 && amx_permitted()) return "amx";
+#endif
+  return dtype == at::kBFloat16 || std::string(kPath) != "avx512_bf16" ? kPath : "avx512";
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sonar, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("skinny_linear_path(ScalarType dtype) -> str", &skinny_linear_path);
+}
+
+TORCH_LIBRARY_IMPL(sonar, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("skinny_linear", &skinny_linear);
+}
