@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -89,6 +90,14 @@ def load() -> Any:
     return _State.ops
 
 
+@functools.cache
+def attention_shares_keys() -> bool:
+    """Whether the loaded kernels' attention shares each key among a sequence's queries (built for
+    AVX-512), so that it is the faster path for verification steps too."""
+    ops = load()
+    return ops is not None and bool(ops.attention_shares_keys())
+
+
 def problem() -> str | None:
     """Why the kernels are not in use (None when they are, or were never asked for)."""
     return _State.problem
@@ -151,7 +160,9 @@ def _load_or_build() -> tuple[Any, str | None]:
             _build(path)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        # torch's "Could not load this library" keeps the loader's reason in the cause.
+        text = "; ".join(str(e).strip() for e in (error, error.__cause__) if e is not None and str(e).strip())
+        reason = text.splitlines()[-1] if text else type(error).__name__
         logger.warning("Sonar's CPU kernels are not available (%s); using PyTorch's operators", reason)
         return None, reason
     return torch.ops.sonar, None

@@ -36,20 +36,22 @@ from torch import nn
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache, StateBatch
 
-# Sonar's CPU kernel attends in place for decode steps (one query per sequence). Steps of several
-# queries per sequence (verification, prefill chunks) gather the context once and let PyTorch's
-# SDPA run its blocked matmuls, which share each key between the queries: the kernel reads a key
-# where it lies but pays a dot product with a horizontal sum per key and query row. Measured on
-# SmolLM2's heads (9 query / 3 KV heads of 64), bfloat16, in place against gathered, 1 / 2
-# threads: decode over 256 keys 24 / 21 us against 42 / 74; over 2,048 keys 174 / 115 against
-# 304 / 230; 4 queries over 256 keys 93 / 49 against 69 / 79; over 2,048 keys 758 / 369 against
-# 469 / 335; 16 queries over 2,048 keys 3232 / 1383 against 819 / 624 (2 threads, whole decode step
-# over 2,048 tokens at batch 16: 142 ms against 144; over 512 tokens: 54 against 118).
+# Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where it
+# shares each key among a sequence's queries (AVX-512 builds), for verification steps of up to
+# IN_PLACE_MAX_QUERIES queries per sequence. Longer steps (prefill chunks) gather the context once
+# and let PyTorch's SDPA run its blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64),
+# bfloat16, 2 threads, a whole step in place against gathered: over 256 cached tokens 4 queries
+# 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over 2,048 tokens 4 queries
+# 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone over 2,048 tokens at
+# batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
+IN_PLACE_MAX_QUERIES = 8
 
 
 def attends_in_place(metadata: AttentionMetadata) -> bool:
     """Whether a step's attention runs on the in-place kernel (see above)."""
-    return metadata.max_query_len == 1
+    if metadata.max_query_len == 1:
+        return True
+    return metadata.max_query_len <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_shares_keys()
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers.attention import (
+    IN_PLACE_MAX_QUERIES,
     AttentionMetadata,
     PagedAttention,
     attends_in_place,
@@ -113,11 +114,12 @@ def _scenario(dtype, context_lens, query_lens, causal=True, heads=6, kv_heads=2,
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "window-3"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_paged_attention_matches_the_gathering_path(dtype, window, causal):
-    """Ragged decode and multi-token rows alike (layers hand the kernel only decode steps, but each
-    row is computed the same way whatever the step holds)."""
-    q, cache, metadata = _scenario(dtype, [0, 13, 5, 20], [7, 1, 4, 1], causal)
-    attention = PagedAttention(6, 2, 32, sliding_window=window)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+def test_paged_attention_matches_the_gathering_path(dtype, window, causal, head_dim):
+    """Ragged decode and multi-token rows alike, for the head sizes with compiled loops and one
+    without, with 7 tokens of 3 heads per KV group (more rows than one 16-lane item holds)."""
+    q, cache, metadata = _scenario(dtype, [0, 13, 5, 20], [7, 1, 4, 1], causal, heads=6, head_dim=head_dim)
+    attention = PagedAttention(6, 2, head_dim, sliding_window=window)
     with torch.inference_mode():
         with cpu_kernels.disabled():
             expected = attention.attend(q, cache, metadata)
@@ -129,31 +131,39 @@ def test_paged_attention_matches_the_gathering_path(dtype, window, causal):
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_layers_attend_in_place_for_decode_steps_only():
+def test_layers_attend_in_place_for_decode_and_short_verification_steps():
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
-    assert attends_in_place(decode) and not attends_in_place(verify)
+    prefill = AttentionMetadata.build([IN_PLACE_MAX_QUERIES + 1], [40], [list(range(10))], 4, torch.device("cpu"))
+    assert attends_in_place(decode) and not attends_in_place(prefill)
+    assert attends_in_place(verify) == bool(ops.attention_shares_keys())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_verifying_k_tokens_at_once_equals_decoding_them_one_by_one(dtype):
-    """Each query row is computed alike whatever else is in the step: the verification of drafts
-    gives bit-identical attention to decoding the same tokens one at a time."""
-    q, cache, metadata = _scenario(dtype, [9, 30], [4, 3])
-    together = ops.paged_attention(
-        q, *cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, 0.25, True, 0
-    )
-    rows = []
-    for seq, (start, query_len) in enumerate([(0, 4), (4, 3)]):
-        for j in range(query_len):
-            seq_len = metadata.seq_lens[seq] - query_len + j + 1
-            rows.append(
-                ops.paged_attention(
-                    q[start + j : start + j + 1], *cache, metadata.block_tables[seq : seq + 1],
-                    seq_len.view(1), torch.tensor([0, 1]), 0.25, True, 0,
-                )
-            )
-    assert torch.equal(together, torch.cat(rows))
+def test_each_row_gets_the_same_bits_whatever_else_the_step_holds(dtype):
+    """A sequence verifying drafts gets the same attention for a token whatever else the step holds
+    (other sequences, decode tokens, fewer drafts of its own), and a decode token the same as when
+    decoded alone; verifying a token agrees with decoding it up to float rounding (the two take
+    different loops: several queries share each key)."""
+    q, cache, metadata = _scenario(dtype, [9, 30, 12], [4, 3, 1])
+
+    def attend(rows, seqs, seq_lens, query_lens):
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+        return ops.paged_attention(
+            q[rows], *cache, metadata.block_tables[seqs], torch.tensor(seq_lens), starts, 0.25, True, 0
+        )
+
+    lens = metadata.seq_lens.tolist()
+    together = attend(slice(None), [0, 1, 2], lens, [4, 3, 1])
+    # sequence 0 alone, and only its first three tokens
+    assert torch.equal(attend(slice(0, 4), [0], lens[:1], [4]), together[:4])
+    assert torch.equal(attend(slice(0, 3), [0], [lens[0] - 1], [3]), together[:3])
+    # sequence 2's decode token alone
+    assert torch.equal(attend(slice(7, 8), [2], lens[2:], [1]), together[7:])
+    # each of sequence 1's tokens decoded one at a time
+    decoded = torch.cat([attend(slice(4 + j, 5 + j), [1], [lens[1] - 2 + j], [1]) for j in range(3)])
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(decoded, together[4:7], rtol=tolerance, atol=tolerance)
 
 
 def test_store_kv_writes_the_slots_and_refuses_slots_outside_the_cache():

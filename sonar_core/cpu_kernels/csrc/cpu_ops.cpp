@@ -11,8 +11,8 @@
 // operators it replaces round (each PyTorch element-wise op rounds its result), so bfloat16
 // results agree with the eager path to the last bit wherever the arithmetic is the same (the
 // reductions of the norm and attention may differ by float32 rounding). Each query row of the
-// attention is computed the same way whatever else is in the batch, so verifying k drafts gives the
-// same numbers as decoding them one by one.
+// attention gets the same bits whatever else is in the batch: a decode token's row as when decoded
+// alone, a verified token's row as in any other verification of its sequence.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -100,6 +101,144 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 // ---- attention over the paged cache ---------------------------------------------------------
 
+// ---- attention of a sequence's several queries, sharing each key among them ------------------
+// A verification step asks up to k+1 queries per sequence, each with its group's n_rep heads. The
+// row-by-row kernel below pays a dot product with a horizontal sum per key and query row; this one
+// lays up to 16 query rows of one KV group side by side in the lanes of a vector (the query
+// transposed, [head_dim][16]) and scores a key against all of them with head_dim broadcast
+// multiply-adds, eight keys at a time to hide their latency, with no horizontal sums. The softmax
+// runs across lanes, and the value sums take the lanes a few at a time in registers. Every lane's
+// arithmetic is its own (masked keys add exact zeros), so a row gets the same bits from any step
+// that verifies several tokens of its sequence, whatever the rest of the step holds.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// What one work item needs to find its queries, keys and outputs.
+struct LanesItem {
+  int64_t seq;        // sequence index
+  int64_t group;      // KV head
+  int64_t first_row;  // the item's first row among the sequence's query_len * n_rep rows
+  int lanes;          // rows in this item (up to 16)
+};
+
+template <typename T, int kVecs>
+void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride, int64_t q_head_stride, const T* k_ptr,
+                  const T* v_ptr, const int64_t* tables, int64_t table_width, const int64_t* lens,
+                  const int64_t* starts, int64_t block_size, int64_t kv_slot_stride, int64_t n_rep, int64_t num_heads,
+                  bool causal, int64_t window, float scale, float* scores, float* qt, T* out_ptr) {
+  constexpr int64_t kDim = kVecs * 16;
+  constexpr int kKeys = 8;                                    // keys scored together
+  constexpr int kPvLanes = kVecs <= 2 ? 8 : 16 / kVecs;       // lanes of a value-sum pass
+  const int64_t b = item.seq, g = item.group, h0 = g * n_rep;
+  const int64_t query_len = starts[b + 1] - starts[b], seq_len = lens[b];
+  const int64_t* table = tables + b * table_width;
+  const int64_t kv_offset = g * kDim;
+
+  // Lane l: row first_row + l, i.e. query token j = row / n_rep of the sequence, head r = row % n_rep.
+  alignas(64) int32_t first_key[kLanes], last_key[kLanes];
+  int64_t lo = seq_len, hi = -1;
+  for (int l = 0; l < kLanes; ++l) {
+    if (l < item.lanes) {
+      const int64_t row = item.first_row + l, j = row / n_rep, r = row % n_rep;
+      const int64_t pos = seq_len - query_len + j;
+      last_key[l] = static_cast<int32_t>(causal ? pos : seq_len - 1);
+      first_key[l] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      lo = std::min<int64_t>(lo, first_key[l]);
+      hi = std::max<int64_t>(hi, last_key[l]);
+      const T* qrow = q_ptr + (starts[b] + j) * q_token_stride + (h0 + r) * q_head_stride;
+      for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = to_f32(qrow[d]);
+    } else {  // an empty lane: no key is ever its own
+      first_key[l] = 1;
+      last_key[l] = 0;
+      for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = 0.f;
+    }
+  }
+  const __m512i first_v = _mm512_load_si512(first_key), last_v = _mm512_load_si512(last_key);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  auto key_row = [&](const T* base, int64_t p) {
+    return base + (table[p / block_size] * block_size + p % block_size) * kv_slot_stride + kv_offset;
+  };
+
+  // Scores of keys lo..hi against every lane.
+  alignas(64) float keys[kKeys][kDim] = {};
+  for (int64_t p0 = lo; p0 <= hi; p0 += kKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - p0 + 1));
+    for (int j = 0; j < n; ++j) {
+      const T* krow = key_row(k_ptr, p0 + j);
+      for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(keys[j] + d, load16(krow + d));
+    }
+    __m512 acc[kKeys];
+    for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < kDim; ++d) {
+      const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
+      for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j][d]), qd, acc[j]);
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(p0 + j));
+      const __mmask16 visible = _mm512_cmple_epi32_mask(first_v, p) & _mm512_cmple_epi32_mask(p, last_v);
+      _mm512_storeu_ps(scores + (p0 + j - lo) * kLanes, _mm512_mask_mul_ps(minus_inf, visible, acc[j], scale_v));
+    }
+  }
+
+  // Softmax weights per lane.
+  const int64_t count = hi - lo + 1;
+  __m512 max_v = minus_inf;
+  for (int64_t i = 0; i < count; ++i) max_v = _mm512_max_ps(max_v, _mm512_loadu_ps(scores + i * kLanes));
+  alignas(64) float max_score[kLanes], total[kLanes];
+  _mm512_store_ps(max_score, max_v);
+  __m512 total_v = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    float* w = scores + i * kLanes;
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) w[l] = fast_exp(w[l] - max_score[l]);
+    total_v = _mm512_add_ps(total_v, _mm512_loadu_ps(w));
+  }
+  _mm512_store_ps(total, total_v);
+
+  // Weighted sums of the values, kPvLanes lanes per pass with their sums in registers.
+  for (int c0 = 0; c0 < item.lanes; c0 += kPvLanes) {
+    __m512 acc[kPvLanes][kVecs];
+    for (int l = 0; l < kPvLanes; ++l)
+      for (int c = 0; c < kVecs; ++c) acc[l][c] = _mm512_setzero_ps();
+    for (int64_t p = lo; p <= hi; ++p) {
+      const T* vrow = key_row(v_ptr, p);
+      __m512 v[kVecs];
+      for (int c = 0; c < kVecs; ++c) v[c] = load16(vrow + c * 16);
+      const float* w = scores + (p - lo) * kLanes + c0;
+      for (int l = 0; l < kPvLanes; ++l) {
+        const __m512 wl = _mm512_set1_ps(w[l]);
+        for (int c = 0; c < kVecs; ++c) acc[l][c] = _mm512_fmadd_ps(wl, v[c], acc[l][c]);
+      }
+    }
+    for (int l = 0; l < kPvLanes && c0 + l < item.lanes; ++l) {
+      const int64_t row = item.first_row + c0 + l, j = row / n_rep, r = row % n_rep;
+      T* orow = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim;
+      const __m512 inv = _mm512_set1_ps(1.f / total[c0 + l]);
+      alignas(64) float values[kDim];
+      for (int c = 0; c < kVecs; ++c) _mm512_store_ps(values + c * 16, _mm512_mul_ps(acc[l][c], inv));
+      for (int64_t d = 0; d < kDim; ++d) orow[d] = from_f32<T>(values[d]);
+    }
+  }
+}
+#endif
+
 // kHeadDim > 0: the head size is known when compiling (the common sizes), so the per-key loops
 // have fixed trip counts and their accumulators stay in registers; 0: any head size.
 template <typename T, int64_t kHeadDim>
@@ -134,20 +273,66 @@ void paged_attention_kernel(
   }
   TORCH_CHECK(starts[num_seqs] == num_tokens, "paged_attention: query_start_loc does not cover the queries");
 
-  // A work item is one query token and the n_rep query heads of one KV group: each key and value
-  // row is converted to float once and serves every head of the group. Each query row is computed
-  // by the same loops whatever else is in the step, so verification agrees with decoding to the bit.
-  const int64_t items = num_tokens * kv_heads;
+  // Work items. A sequence verifying several tokens, where attend_lanes is built for this head
+  // size, gives items of up to 16 of its rows of one KV group. Every other token (decode steps)
+  // gives one item per KV group: the token's n_rep heads of the group, each key and value row
+  // converted to float once for all of them; each such row is computed by the same loops whatever
+  // else is in the step.
+#if defined(__AVX512F__)
+  constexpr bool kLanesBuilt =
+      (kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128) && !std::is_same_v<T, double>;
+  std::vector<LanesItem> lane_items;
+#else
+  constexpr bool kLanesBuilt = false;
+#endif
+  std::vector<int64_t> row_tokens;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t query_len = starts[b + 1] - starts[b];
+    if (kLanesBuilt && query_len > 1) {
+#if defined(__AVX512F__)
+      const int64_t rows = query_len * n_rep;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+          lane_items.push_back({b, g, r0, static_cast<int>(std::min(kLanes, rows - r0))});
+        }
+      }
+#endif
+    } else {
+      for (int64_t t = starts[b]; t < starts[b + 1]; ++t) row_tokens.push_back(t);
+    }
+  }
+#if defined(__AVX512F__)
+  const int64_t num_lane_items = static_cast<int64_t>(lane_items.size());
+#else
+  const int64_t num_lane_items = 0;
+#endif
+  const int64_t items = num_lane_items + static_cast<int64_t>(row_tokens.size()) * kv_heads;
   // One item reads its whole context; below a few thousand multiply-adds per item the threads
   // would cost more than they save.
-  const int64_t grain = longest * head_dim * n_rep >= 4096 ? 1 : items;
+  const int64_t grain = longest * head_dim * n_rep >= 4096 ? 1 : std::max<int64_t>(items, 1);
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> query(n_rep * head_dim), row(head_dim), sums(kHeadDim > 0 ? 0 : head_dim);
     std::vector<float> scores(n_rep * longest);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, g = item % kv_heads, h0 = g * n_rep;
+#if defined(__AVX512F__)
+    std::vector<float> lane_scores(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
+    std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
+#endif
+    for (int64_t index = begin; index < end; ++index) {
+#if defined(__AVX512F__)
+      if constexpr (kLanesBuilt) {
+        if (index < num_lane_items) {
+          attend_lanes<T, (kLanesBuilt ? kHeadDim : 16) / 16>(
+              lane_items[index], q_ptr, q_token_stride, q_head_stride, k_ptr, v_ptr, tables, table_width, lens,
+              starts, block_size, kv_slot_stride, n_rep, num_heads, causal, window, fscale, lane_scores.data(),
+              lane_queries.data(), out_ptr);
+          continue;
+        }
+      }
+#endif
+      const int64_t item = index - num_lane_items;
+      const int64_t t = row_tokens[item / kv_heads], g = item % kv_heads, h0 = g * n_rep;
       const int64_t b = token_seq[t];
       const int64_t query_len = starts[b + 1] - starts[b];
       const int64_t seq_len = lens[b];
@@ -231,6 +416,9 @@ at::Tensor paged_attention(
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     switch (q.size(2)) {
+      case 32:
+        paged_attention_kernel<scalar_t, 32>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
+        break;
       case 64:
         paged_attention_kernel<scalar_t, 64>(q, k_cache, v_cache, tables, lens, starts, scale, causal, window, out);
         break;
@@ -422,9 +610,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Whether paged_attention shares each key among a sequence's several queries (attend_lanes is
+// built), which makes it the faster path for verification steps too.
+bool attention_shares_keys() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sonar, m) {
+  m.def("attention_shares_keys() -> bool", &attention_shares_keys);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, bool causal, int window) -> Tensor");
   m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
