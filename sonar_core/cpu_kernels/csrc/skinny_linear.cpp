@@ -441,18 +441,23 @@ bool packable(const at::Tensor& weight) {
   return weight.scalar_type() == at::kFloat || (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0);
 }
 
-template <typename T>
+// Packs whole blocks (into uninitialised memory): for each packed row (kPairs inputs of 16 outputs), the 16 source rows are
+// read side by side, so that writes are sequential and reads are 16 sequential streams.
+template <typename T, int64_t kPairs>
 void pack_kernel(const at::Tensor& weight, at::Tensor& packed) {
-  const int64_t outputs = weight.size(0), inputs = weight.size(1);
-  const int64_t pairs = packed.dim() == 4 ? 2 : 1;  // inputs side by side in a packed row
-  const int64_t steps = packed.size(1), block_stride = steps * kBlock * pairs;
+  const int64_t outputs = weight.size(0), inputs = weight.size(1), steps = packed.size(1);
   const T* src = weight.data_ptr<T>();
   T* dst = packed.data_ptr<T>();
   at::parallel_for(0, packed.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      for (int64_t l = 0; l < kBlock && b * kBlock + l < outputs; ++l) {
-        const T* row = src + (b * kBlock + l) * inputs;
-        for (int64_t k = 0; k < inputs; ++k) dst[b * block_stride + (k / pairs) * kBlock * pairs + l * pairs + k % pairs] = row[k];
+      const int64_t rows = std::min(kBlock, outputs - b * kBlock);
+      const T* block_src = src + b * kBlock * inputs;
+      T* out = dst + b * steps * kBlock * kPairs;
+      for (int64_t s = 0; s < steps; ++s, out += kBlock * kPairs) {
+        for (int64_t l = 0; l < rows; ++l) {
+          for (int64_t i = 0; i < kPairs; ++i) out[l * kPairs + i] = block_src[l * inputs + s * kPairs + i];
+        }
+        std::fill(out + rows * kPairs, out + kBlock * kPairs, T(0));  // the last block's padding
       }
     }
   });
@@ -464,12 +469,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   const auto dense = weight.contiguous();
   const int64_t blocks = (dense.size(0) + kBlock - 1) / kBlock;
   const bool pairs = dense.scalar_type() == at::kBFloat16;
-  auto packed = pairs ? at::zeros({blocks, dense.size(1) / 2, kBlock, 2}, dense.options())
-                      : at::zeros({blocks, dense.size(1), kBlock}, dense.options());
+  auto packed = pairs ? at::empty({blocks, dense.size(1) / 2, kBlock, 2}, dense.options())
+                      : at::empty({blocks, dense.size(1), kBlock}, dense.options());
   if (pairs) {
-    pack_kernel<c10::BFloat16>(dense, packed);
+    pack_kernel<c10::BFloat16, 2>(dense, packed);
   } else {
-    pack_kernel<float>(dense, packed);
+    pack_kernel<float, 1>(dense, packed);
   }
   return packed;
 }
