@@ -1,18 +1,20 @@
-"""Sonar's own CPU kernels (``csrc/cpu_ops.cpp``): attention that reads the paged KV cache in place,
-and the fused element-wise steps of a decoder layer (norms with the residual add, RoPE in place,
-the MLP's activation, cache writes).
+"""Sonar's own CPU kernels (``csrc/``): matmuls for the few rows of decode and verification steps
+(``skinny_linear.cpp``), attention that reads the paged KV cache in place, and the fused
+element-wise steps of a decoder layer (norms with the residual add, RoPE in place, the MLP's
+activation, cache writes) (``cpu_ops.cpp``).
 
-Why: at decode batch sizes a step of a small model on the CPU is a chain of about 40 PyTorch
-operators per layer, and beside the matmuls most of the time is their fixed cost (dispatch, thread
-wake-ups, dtype round trips) plus copying every request's whole context out of the paged cache
-each layer. These kernels do the same arithmetic in about ten calls per layer, and attention reads
-each key and value once, where it lies.
+Why: at decode batch sizes a step of a small model on the CPU reads every weight for a few rows,
+and is otherwise a chain of about 40 PyTorch operators per layer whose fixed costs (dispatch,
+thread wake-ups, dtype round trips) and per-layer copies of every request's context dominate.
+These kernels stream the weights at close to the memory's speed, do the rest in about ten calls
+per layer, and read each key and value once, where it lies.
 
-They are compiled on first use with the machine's C++ compiler (about a minute) for this CPU
-(``-march=native``), and cached under ``$SONAR_CACHE_DIR/cpu-kernels`` keyed by the source, the
-compiler flags, the torch version and the CPU's instruction sets; a later start loads the cached
-library in milliseconds. Where no compiler is, or the build fails, Sonar logs one line and keeps
-the PyTorch operators (same results up to float rounding). ``SONAR_CPU_KERNELS=0`` turns them off.
+They are compiled on first use with the machine's C++ compiler (about 20 s, the sources side by
+side) for this CPU (``-march=native``, or :data:`ARCH_ENV`), and cached under
+``$SONAR_CACHE_DIR/cpu-kernels`` keyed by the sources, the compiler flags, the torch version and
+the CPU's instruction sets; a later start loads the cached library in milliseconds. Where no
+compiler is, or the build fails, Sonar logs one line and keeps the PyTorch operators (same
+results up to float rounding). ``SONAR_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
