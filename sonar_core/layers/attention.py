@@ -28,6 +28,7 @@ The cache keeps every position of a windowed layer: older keys are masked, not e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from torch import nn
 
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache, StateBatch
+from sonar_core.layers.long_rows import LongRow, attend_long_row
 
 # Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where it
 # shares each key among a sequence's queries (AVX-512 builds), for verification steps of up to
@@ -44,6 +46,8 @@ from sonar_core.kv import KVCache, StateBatch
 # 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over 2,048 tokens 4 queries
 # 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone over 2,048 tokens at
 # batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
+# A step with a longer row splits (:meth:`AttentionMetadata.split`): rows of up to this many queries
+# attend as one batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
 IN_PLACE_MAX_QUERIES = 8
 
 
@@ -79,6 +83,8 @@ class AttentionMetadata:
     # ---- derived once per step, shared by all layers ------------------------------------------
     num_seqs: int = 0
     max_query_len: int = 0
+    # For a subset(): the indices of its tokens in the parent step's flat batch.
+    tokens_in_parent: torch.Tensor | None = field(default=None, init=False, repr=False)
     max_seq_len: int = 0
     # [B * nb] block ids to read, nb = ceil(max_seq_len / block_size): row b's blocks, in order, so
     # the gathered context of row b has token position p at index p.
@@ -91,6 +97,9 @@ class AttentionMetadata:
     attn_mask: torch.Tensor | None = None
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # The host lists the derived fields came from, (query_lens, seq_lens); see host_lens().
+    _host_lens: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False)
+    _split: StepSplit | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_seqs == 0:  # constructed directly, not through build()
@@ -208,6 +217,8 @@ class AttentionMetadata:
         self.context_block_ids = self.block_tables[:, :num_blocks].reshape(-1)
         self._grouped_masks = {}
         self._window_masks = {}
+        self._host_lens = (list(query_lens), list(seq_lens))
+        self._split = None
 
         uniform_queries = all(q == max_query_len for q in query_lens)
         if uniform_queries:
@@ -235,6 +246,61 @@ class AttentionMetadata:
         else:
             allowed = allowed.expand(num_seqs, max_query_len, max_seq_len)
         self.attn_mask = allowed[:, None].to(device, non_blocking=True)
+
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """``(query_lens, seq_lens)`` as host lists: those :meth:`build` was given, else read back
+        once (metadata made on the device, or rebuilt from its tensors in another process)."""
+        if self._host_lens is None:
+            starts = self.query_start_loc.tolist()
+            self._host_lens = ([b - a for a, b in zip(starts[:-1], starts[1:], strict=True)], self.seq_lens.tolist())
+        return self._host_lens
+
+    def split(self) -> StepSplit:
+        """The step's rows for a step with a row of more than :data:`IN_PLACE_MAX_QUERIES`
+        queries: the shorter rows as one batch, the longer ones one by one; built once per step."""
+        if self._split is None:
+            query_lens, seq_lens = self.host_lens()
+            starts = list(accumulate(query_lens, initial=0))
+            short = [i for i, q in enumerate(query_lens) if q <= IN_PLACE_MAX_QUERIES]
+            long_rows = [
+                LongRow(
+                    start=starts[i],
+                    query_len=query_lens[i],
+                    seq_len=seq_lens[i],
+                    block_ids=self.block_tables[i, : -(-seq_lens[i] // self.block_size)],
+                    causal=self.causal,
+                )
+                for i, q in enumerate(query_lens)
+                if q > IN_PLACE_MAX_QUERIES
+            ]
+            self._split = StepSplit(self.subset(short) if short else None, long_rows)
+        return self._split
+
+    def subset(self, rows: list[int]) -> AttentionMetadata:
+        """The metadata of sequences ``rows`` (indices into this step's, in order) alone; their
+        tokens in this step's flat batch are :attr:`tokens_in_parent`."""
+        query_lens, seq_lens = self.host_lens()
+        starts = list(accumulate(query_lens, initial=0))
+        device = self.query_start_loc.device
+        sub_query_lens = [query_lens[i] for i in rows]
+        sub_seq_lens = [seq_lens[i] for i in rows]
+        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        tokens = torch.tensor(
+            [t for i in rows for t in range(starts[i], starts[i + 1])], dtype=torch.int64
+        ).to(device, non_blocking=True)
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(list(accumulate(sub_query_lens, initial=0)), dtype=torch.int64).to(device),
+            seq_lens=self.seq_lens.index_select(0, index),
+            block_tables=self.block_tables.index_select(0, index),
+            slot_mapping=self.slot_mapping.index_select(0, tokens),
+            positions=self.positions.index_select(0, tokens),
+            block_size=self.block_size,
+            causal=self.causal,
+            num_seqs=len(rows),
+        )
+        metadata._derive(sub_query_lens, sub_seq_lens, device)
+        metadata.tokens_in_parent = tokens
+        return metadata
 
     def grouped_mask(self, n_rep: int) -> torch.Tensor | None:
         """:attr:`attn_mask` for the grouped-query layout of queries (rows ``rep * max_query_len + j``),
@@ -347,6 +413,9 @@ class PagedAttention(nn.Module):
                 window or 0,
             )
 
+        if metadata.max_query_len > IN_PLACE_MAX_QUERIES:
+            return self._attend_split(q, kv_cache, metadata)
+
         num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
         ids = metadata.context_block_ids
         # [B, kv_heads, L, head_dim] views of the gathered blocks; positions past max_seq_len (the
@@ -377,3 +446,24 @@ class PagedAttention(nn.Module):
         if pad_index is not None:
             out = out.index_select(0, pad_index)
         return out
+
+    def _attend_split(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """:meth:`attend` for a step with long rows: see :meth:`AttentionMetadata.split`."""
+        split = metadata.split()
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if split.short is not None:
+            tokens = split.short.tokens_in_parent
+            out.index_copy_(0, tokens, self.attend(q.index_select(0, tokens), kv_cache, split.short))
+        for row in split.long_rows:
+            end = row.start + row.query_len
+            out[row.start : end] = attend_long_row(q[row.start : end], kv_cache, row, self.scale, self.sliding_window)
+        return out
+
+
+@dataclass
+class StepSplit:
+    """A step's rows as attention takes them when one is long: ``short``, the rows of up to
+    :data:`IN_PLACE_MAX_QUERIES` queries as one batch (None if there are none), and the others."""
+
+    short: AttentionMetadata | None
+    long_rows: list[LongRow]

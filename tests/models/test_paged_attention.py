@@ -101,6 +101,9 @@ SHAPES = [
     pytest.param([9], [6], id="prefill-second-chunk"),
     pytest.param([0, 13, 5, 20], [7, 1, 4, 1], id="mixed"),
     pytest.param([4, 4], [3, 3], id="uniform-queries"),
+    # Rows longer than IN_PLACE_MAX_QUERIES split the step: short rows batched, long ones alone.
+    pytest.param([13, 0, 30, 6, 2], [1, 12, 10, 3, 1], id="split-decodes-prompt-chunk"),
+    pytest.param([0, 5], [16, 9], id="split-long-only"),
 ]
 
 
@@ -184,6 +187,27 @@ def test_metadata_masks_only_when_needed():
         [True, True, True, True, True],
     ]
     assert AttentionMetadata.build([3], [5], [[0, 1]], BLOCK, cpu, causal=False).attn_mask is None
+
+
+def test_long_rows_attend_alone_and_short_rows_together():
+    """A prompt joining decodes must not pad them to its length: the split keeps the decodes one
+    batch, and a fresh prompt needs no mask (SDPA's causal flag), a chunk after context does."""
+    cpu = torch.device("cpu")
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
+    metadata = AttentionMetadata.build([1, 12, 10, 2], [9, 12, 20, 7], tables, BLOCK, cpu)
+    split = metadata.split()
+    assert split.short is not None and split.short.max_query_len == 2
+    assert split.short.tokens_in_parent.tolist() == [0, 23, 24]
+    assert split.short.seq_lens.tolist() == [9, 7] and split.short.block_tables.tolist() == [[0, 1, 2, 0, 0], [11, 12, 0, 0, 0]]
+    fresh, chunk = split.long_rows
+    assert (fresh.start, fresh.query_len, fresh.seq_len, fresh.block_ids.tolist()) == (1, 12, 12, [3, 4, 5])
+    assert fresh.mask(None, torch.float32) == (None, True)
+    mask, is_causal = chunk.mask(None, torch.float32)
+    assert not is_causal and mask.shape == (10, 20)
+    assert torch.equal(mask == 0, torch.arange(20)[None, :] <= torch.arange(10, 20)[:, None])
+    # A window that cuts keys needs a mask even for a fresh prompt; one as long as the row does not.
+    assert fresh.mask(4, torch.float32)[0] is not None and fresh.mask(12, torch.float32) == (None, True)
+    assert AttentionMetadata.build([12], [12], [[3, 4, 5]], BLOCK, cpu).split().short is None
 
 
 def test_metadata_from_tensors_equals_build():
