@@ -482,18 +482,27 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) 
   const T* s = sin.data_ptr<T>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    // A token's tables serve all its heads: converted once, then each head is one vector loop over
+    // its two halves (distinct pointers, so the compiler need not fear they overlap).
+    std::vector<float> tables(2 * rotary_dim);
+    float* const cf = tables.data();
+    float* const sf = cf + rotary_dim;
     for (int64_t t = begin; t < end; ++t) {
-      const T* ct = c + t * rotary_dim;
-      const T* st = s + t * rotary_dim;
+      for (int64_t i = 0; i < rotary_dim; ++i) {
+        cf[i] = to_f32(c[t * rotary_dim + i]);
+        sf[i] = to_f32(s[t * rotary_dim + i]);
+      }
       for (int64_t h = 0; h < heads; ++h) {
-        T* row = base + t * token_stride + h * head_stride;
+        T* __restrict lo = base + t * token_stride + h * head_stride;
+        T* __restrict hi = lo + half;
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f32(row[i]), x2 = to_f32(row[i + half]);
+          const float x1 = to_f32(lo[i]), x2 = to_f32(hi[i]);
           // x * cos rounds (one op), then + rotate_half(x) * signed_sin rounds (addcmul).
-          const float a1 = rounded<T>(x1 * to_f32(ct[i]));
-          const float a2 = rounded<T>(x2 * to_f32(ct[i + half]));
-          row[i] = from_f32<T>(a1 + x2 * to_f32(st[i]));
-          row[i + half] = from_f32<T>(a2 + x1 * to_f32(st[i + half]));
+          const float a1 = rounded<T>(x1 * cf[i]);
+          const float a2 = rounded<T>(x2 * cf[i + half]);
+          lo[i] = from_f32<T>(a1 + x2 * sf[i]);
+          hi[i] = from_f32<T>(a2 + x1 * sf[i + half]);
         }
       }
     }
