@@ -221,3 +221,23 @@ def test_the_builtin_architecture_table_names_what_the_modules_register():
     registered = {name: cls.__module__ for name, cls in registry._REGISTRY.items()}
     assert {name: registered[name] for name in registry.BUILTIN_ARCHITECTURES} == registry.BUILTIN_ARCHITECTURES
     assert set(registered) == set(registry.BUILTIN_ARCHITECTURES)
+
+
+def test_creating_a_model_skips_random_init_and_restores_it(checkpoints):
+    """Layers built on the meta device skip torch.nn.init (whose first normal_ there imports
+    torch._dynamo, seconds of startup); the functions are back afterwards."""
+    import subprocess
+    import sys
+
+    before = torch.nn.init.normal_
+    load_model(checkpoints.get("llama"), torch.float32, "cpu")
+    assert torch.nn.init.normal_ is before
+    probe = (
+        "import sys, torch; from transformers import LlamaConfig; "
+        "from sonar_core.models.architectures import LlamaForCausalLM; "
+        "LlamaForCausalLM.create(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
+        "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2), torch.float32, torch.device('cpu')); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False", result.stderr
