@@ -316,16 +316,20 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
 }
 
 // ---- AMX: bfloat16 tiles of 16 rows x 16 outputs ------------------------------------------------
-// Where the CPU has AMX, bfloat16 calls of more than kAmxMinRows rows take it: a tile
+// Where the CPU has AMX, bfloat16 calls of at least kAmxMinRows rows take it: a tile
 // multiply-add costs the same for 1 row as for 16, so it stays ahead of oneDNN up to prefill sizes
-// (512 rows measured), where the vector path becomes compute-bound beyond 8 rows. Up to 8 rows
-// the vector path streams the weights faster (measured: 1.4-1.7x at 1-4 rows), and every row
-// count up to 8 still gets the same bits, so decoding and verifying up to 7 drafts agree exactly.
+// (512 rows measured), while the vector path becomes compute-bound as rows grow. Measured on
+// SmolLM2's projections (2-core Xeon, 2 threads, milliseconds per pass over all of them, the two
+// builds alternating): vector 12.6-13.8 / 13.5-15.7 / 15.1-16.5 / 18.4-19.3 / 22.9-23.5 at
+// 1 / 2 / 4 / 6 / 8 rows, tiles 14.5-15.0 / 14.4-15.9 / 13.7-16.6 / 15.5-17.2 / 14.1-15.0. So one
+// to four rows (decoding a few requests, verifying up to 3 drafts) stream on the vector path and
+// get the same bits as one row alone; from 5 rows the tiles take over, every row again computed
+// alike whatever else is in the call, but rounded apart from the vector path's sums.
 // Rows are padded to a multiple of 16 in a scratch copy, so one tile configuration serves every
 // call. The packed layout is the vector path's: 16 pairs of inputs of one block are one B tile.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr int64_t kAmxRows = 16, kAmxInputs = 32, kAmxBlocks = 4, kAmxMinRows = 9;
+constexpr int64_t kAmxRows = 16, kAmxInputs = 32, kAmxBlocks = 4, kAmxMinRows = 5;
 
 // Linux hands out the AMX register state only on request, once per process.
 bool amx_permitted() {
