@@ -54,6 +54,9 @@ class RowSpec:
         lookup = _lookup_bounds(self.options)
         if lookup:
             parts.append(lookup)
+        policy = self.options.get("depth_policy")
+        if policy not in (None, "fixed"):  # rows that differ only in it must not share a label
+            parts.append(f"depth={policy}")
         model = self.options.get("model")
         if model and self.method in DRAFT_CHECKPOINT_METHODS | HEAD_METHODS:
             parts.append(f"({Path(str(model)).name})")

@@ -103,3 +103,14 @@ def test_a_head_row_without_a_head_for_a_target_that_ships_none_says_how_to_get_
     with pytest.raises(ConfigError) as info:
         _check_sonar_row(row, EngineConfig(model=str(tiny_model), device="cpu"))
     assert "aphrodite train-draft" in info.value.fix and "--random-heads" in info.value.fix
+
+
+def test_rows_that_differ_in_depth_policy_have_distinct_labels():
+    fixed, auto = sonar_rows(
+        [
+            {"method": "ngram", "num_speculative_tokens": 5, "depth_policy": "fixed"},
+            {"method": "ngram", "num_speculative_tokens": 5, "depth_policy": "auto"},
+        ],
+        include_plain=False,
+    )
+    assert (fixed.label, auto.label) == ("sonar ngram k=5", "sonar ngram k=5 depth=auto")
