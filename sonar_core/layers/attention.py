@@ -83,8 +83,6 @@ class AttentionMetadata:
     # ---- derived once per step, shared by all layers ------------------------------------------
     num_seqs: int = 0
     max_query_len: int = 0
-    # For a subset(): the indices of its tokens in the parent step's flat batch.
-    tokens_in_parent: torch.Tensor | None = field(default=None, init=False, repr=False)
     max_seq_len: int = 0
     # [B * nb] block ids to read, nb = ceil(max_seq_len / block_size): row b's blocks, in order, so
     # the gathered context of row b has token position p at index p.
@@ -103,12 +101,7 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         if self.num_seqs == 0:  # constructed directly, not through build()
-            starts = self.query_start_loc.tolist()
-            self._derive(
-                [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)],
-                self.seq_lens.tolist(),
-                self.query_start_loc.device,
-            )
+            self._derive(*self.host_lens(), self.query_start_loc.device)
 
     @classmethod
     def build(
@@ -273,21 +266,18 @@ class AttentionMetadata:
                 for i, q in enumerate(query_lens)
                 if q > IN_PLACE_MAX_QUERIES
             ]
-            self._split = StepSplit(self.subset(short) if short else None, long_rows)
+            short_tokens = self._token_indices(short)
+            self._split = StepSplit(self._subset(short, short_tokens) if short else None, short_tokens, long_rows)
         return self._split
 
-    def subset(self, rows: list[int]) -> AttentionMetadata:
-        """The metadata of sequences ``rows`` (indices into this step's, in order) alone; their
-        tokens in this step's flat batch are :attr:`tokens_in_parent`."""
+    def _subset(self, rows: list[int], tokens: torch.Tensor) -> AttentionMetadata:
+        """The metadata of sequences ``rows`` (indices into this step's, in order; their tokens
+        are ``tokens`` of the flat batch) alone, as if they made the step by themselves."""
         query_lens, seq_lens = self.host_lens()
-        starts = list(accumulate(query_lens, initial=0))
         device = self.query_start_loc.device
         sub_query_lens = [query_lens[i] for i in rows]
         sub_seq_lens = [seq_lens[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        tokens = torch.tensor(
-            [t for i in rows for t in range(starts[i], starts[i + 1])], dtype=torch.int64
-        ).to(device, non_blocking=True)
         metadata = AttentionMetadata(
             query_start_loc=torch.tensor(list(accumulate(sub_query_lens, initial=0)), dtype=torch.int64).to(device),
             seq_lens=self.seq_lens.index_select(0, index),
@@ -299,8 +289,13 @@ class AttentionMetadata:
             num_seqs=len(rows),
         )
         metadata._derive(sub_query_lens, sub_seq_lens, device)
-        metadata.tokens_in_parent = tokens
         return metadata
+
+    def _token_indices(self, rows: list[int]) -> torch.Tensor:
+        """The flat-batch indices of the tokens of sequences ``rows``, row by row."""
+        starts = list(accumulate(self.host_lens()[0], initial=0))
+        tokens = [t for i in rows for t in range(starts[i], starts[i + 1])]
+        return torch.tensor(tokens, dtype=torch.int64).to(self.query_start_loc.device, non_blocking=True)
 
     def grouped_mask(self, n_rep: int) -> torch.Tensor | None:
         """:attr:`attn_mask` for the grouped-query layout of queries (rows ``rep * max_query_len + j``),
@@ -452,7 +447,7 @@ class PagedAttention(nn.Module):
         split = metadata.split()
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if split.short is not None:
-            tokens = split.short.tokens_in_parent
+            tokens = split.short_tokens
             out.index_copy_(0, tokens, self.attend(q.index_select(0, tokens), kv_cache, split.short))
         for row in split.long_rows:
             end = row.start + row.query_len
@@ -463,7 +458,9 @@ class PagedAttention(nn.Module):
 @dataclass
 class StepSplit:
     """A step's rows as attention takes them when one is long: ``short``, the rows of up to
-    :data:`IN_PLACE_MAX_QUERIES` queries as one batch (None if there are none), and the others."""
+    :data:`IN_PLACE_MAX_QUERIES` queries as one batch (None if there are none), whose tokens are
+    ``short_tokens`` of the step's flat batch, and the others."""
 
     short: AttentionMetadata | None
+    short_tokens: torch.Tensor
     long_rows: list[LongRow]

@@ -197,7 +197,7 @@ def test_long_rows_attend_alone_and_short_rows_together():
     metadata = AttentionMetadata.build([1, 12, 10, 2], [9, 12, 20, 7], tables, BLOCK, cpu)
     split = metadata.split()
     assert split.short is not None and split.short.max_query_len == 2
-    assert split.short.tokens_in_parent.tolist() == [0, 23, 24]
+    assert split.short_tokens.tolist() == [0, 23, 24]
     assert split.short.seq_lens.tolist() == [9, 7] and split.short.block_tables.tolist() == [[0, 1, 2, 0, 0], [11, 12, 0, 0, 0]]
     fresh, chunk = split.long_rows
     assert (fresh.start, fresh.query_len, fresh.seq_len, fresh.block_ids.tolist()) == (1, 12, 12, [3, 4, 5])
