@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,25 +14,8 @@ from torch import nn
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.hidden_capture import HiddenStateCapture
+from sonar_core.models.meta_build import on_meta_device
 from sonar_core.models.sharding import ShardRule
-
-# The torch.nn.init functions layers call from reset_parameters(); see _parameter_init_skipped.
-_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
-
-
-@contextmanager
-def _parameter_init_skipped() -> Iterator[None]:
-    """Layers skip their random initialisation while a model is built on the meta device. It
-    would set nothing there, yet the first ``normal_`` on a meta tensor imports ``torch._dynamo``
-    (1.4 s of the engine's startup on a 2-core Xeon, for an embedding's init)."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in _INIT_FUNCTIONS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
 
 
 @dataclass(frozen=True)
@@ -77,7 +59,7 @@ class CausalLM(nn.Module, ABC):
 
         Construction happens on the meta device, so no memory is touched and no random init runs.
         """
-        with torch.device("meta"), _parameter_init_skipped():
+        with on_meta_device():
             model = cls(hf_config)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()

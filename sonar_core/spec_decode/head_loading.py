@@ -19,6 +19,7 @@ from torch import nn
 from sonar_core.errors import ConfigError
 from sonar_core.layers.linear import prepack_linears
 from sonar_core.models.base import TargetModules
+from sonar_core.models.meta_build import on_meta_device
 from sonar_core.models.weights import (
     CheckpointError,
     FusedMap,
@@ -57,7 +58,7 @@ def check_head_checkpoint(checkpoint: DraftCheckpoint, spec: HeadSpec) -> None:
     """Every tensor the head needs present and of its shape, nothing unknown, vocabulary maps that
     fit; one ConfigError listing every problem (no weights are read)."""
     _check_vocab_tensors(checkpoint, spec)
-    with torch.device("meta"):
+    with on_meta_device():
         head = spec.build(None)
     expected = expected_checkpoint_shapes(head, spec.fused)
     expected["d2t"] = (spec.draft_vocab_size,)
@@ -76,7 +77,7 @@ def load_head_checkpoint(
     """The head with its weights on ``device`` (linear weights prepacked where the CPU allows),
     and the map from its vocabulary to the target's."""
     check_head_checkpoint(checkpoint, spec)
-    with torch.device("meta"):
+    with on_meta_device():
         head = spec.build(target)
     head = head.to(dtype=dtype).to_empty(device=device)
     try:

@@ -17,6 +17,7 @@ from sonar_core.model_files import DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_NAME, re
 from sonar_core.models import loader
 from sonar_core.models.architectures import LlamaForCausalLM, Qwen2ForCausalLM
 from sonar_core.models.loader import load_model, load_tokenizer, prepare_model_dir
+from sonar_core.models.meta_build import on_meta_device
 from sonar_core.models.registry import (
     UnsupportedArchitectureError,
     get_model_class,
@@ -231,6 +232,11 @@ def test_creating_a_model_skips_random_init_and_restores_it(checkpoints):
 
     before = torch.nn.init.normal_
     load_model(checkpoints.get("llama"), torch.float32, "cpu")
+    assert torch.nn.init.normal_ is before
+    # Draft heads and speculators are built through the same helper, and it restores on errors too.
+    with pytest.raises(RuntimeError), on_meta_device():
+        assert torch.nn.Embedding(4, 2).weight.device.type == "meta"
+        raise RuntimeError("construction failed")
     assert torch.nn.init.normal_ is before
     probe = (
         "import sys, torch; from transformers import LlamaConfig; "

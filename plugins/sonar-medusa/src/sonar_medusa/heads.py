@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar_core.errors import ConfigError
+from sonar_core.models.meta_build import on_meta_device
 from sonar_core.sample.processing import SamplingBatch
 from sonar_core.spec_decode.draft_checkpoint import FIELD, DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
@@ -50,7 +51,7 @@ def load_heads(
     checkpoint: DraftCheckpoint, layout: MedusaLayout, num_heads: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[MedusaHeads, torch.Tensor | None]:
     """The first ``num_heads`` heads with their weights, and the token map (None: full vocabulary)."""
-    with torch.device("meta"):
+    with on_meta_device():
         heads = MedusaHeads(layout, num_heads)
     heads = heads.to(dtype=dtype).to_empty(device=device)
     tensors = dict(checkpoint.tensors(rename=MedusaLayout.rename))

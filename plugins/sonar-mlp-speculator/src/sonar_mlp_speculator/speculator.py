@@ -159,9 +159,10 @@ class MLPSpeculator(nn.Module):
 def load_speculator(
     checkpoint: DraftCheckpoint, layout: MLPSpeculatorLayout, dtype: torch.dtype, device: torch.device
 ) -> MLPSpeculator:
+    from sonar_core.models.meta_build import on_meta_device
     from sonar_core.models.weights import load_named_weights
 
-    with torch.device("meta"):
+    with on_meta_device():
         speculator = MLPSpeculator(layout)
     speculator = speculator.to(dtype=dtype).to_empty(device=device)
     copies = set(layout.tied_copies())
