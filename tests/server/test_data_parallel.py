@@ -69,7 +69,8 @@ def serve_replicas(config: EngineConfig) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def dp_live(checkpoint: Path) -> Iterator[LiveServer]:
-    yield from serve_replicas(dp_config(checkpoint))
+    # Room for streams long enough to be seen running (test_requests_in_flight_are_spread_evenly).
+    yield from serve_replicas(dp_config(checkpoint, max_model_len=1024))
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,9 @@ def test_concurrent_clients_get_one_engines_greedy_outputs_from_both_replicas(
 
 def test_requests_in_flight_are_spread_evenly(dp_live: LiveServer) -> None:
     wait_idle(dp_live)
-    threads, payloads = start_streams(dp_live.base_url, 4)
+    # Long enough that a busy machine, where each metrics read is slow, still reads the gauges a few
+    # times while all four run (100-token streams were once over after four reads).
+    threads, payloads = start_streams(dp_live.base_url, 4, max_tokens=400)
     try:
         seen = observe_running(dp_live, threads, {"0": 2.0, "1": 2.0})
     finally:
