@@ -131,6 +131,26 @@ def test_paged_attention_matches_the_gathering_path(dtype, window, causal, head_
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (16, 2), (28, 4)], ids=["one-per-group", "8-per-group", "7-per-group"])
+def test_decode_rows_match_the_gathering_path_for_any_heads_per_group(dtype, head_dim, heads, kv_heads):
+    """Decode tokens read each key once for all the heads of their group, whose value sums go in
+    passes of a few heads: one head per group, and more heads than one pass holds at every head
+    size; contexts across several 16-key score chunks, one ending inside a chunk."""
+    q, cache, metadata = _scenario(dtype, [40, 16, 1, 77], [1, 1, 1, 1], heads=heads, kv_heads=kv_heads,
+                                   head_dim=head_dim, block=16, seed=3)
+    attention = PagedAttention(heads, kv_heads, head_dim)
+    with torch.inference_mode():
+        with cpu_kernels.disabled():
+            expected = attention.attend(q, cache, metadata)
+        got = ops.paged_attention(
+            q, *cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, attention.scale, True, 0
+        )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_layers_attend_in_place_for_decode_and_short_verification_steps():
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))

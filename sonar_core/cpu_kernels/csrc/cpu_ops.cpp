@@ -239,6 +239,247 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
 }
 #endif
 
+// ---- attention of a decode token's heads of one KV group, keys in vector lanes --------------
+// A decode token asks one query row per head, and its group's n_rep heads share every key. The
+// row-by-row kernel below converts a key once but then pays, per key and head, a dot product with
+// a horizontal sum, and reads every value row once per head. This one reads each key row once for
+// all the group's heads (bfloat16 pairs multiplied by AVX512-BF16's dot instruction where the CPU
+// has it, else float32 multiply-adds), sums sixteen keys' partial vectors across lanes together
+// (a transpose tree instead of a horizontal sum per key), runs the softmax sixteen keys a vector,
+// and reads each value row once for up to kPvFloats / 16 lanes' worth of heads, their sums in
+// registers. A row's arithmetic depends on its own sequence only, so a decode token gets the same
+// bits whatever else is in the step.
+#if defined(__AVX512F__)
+constexpr int kPvFloats = 24 * 16;  // value sums kept in registers at once (24 vectors)
+
+// Lane j of the result: the sum of v[j]'s sixteen lanes.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Walks the rows of keys first, first + 1, ... of one KV head through the block table, one
+// division at the start instead of one per key.
+template <typename T>
+struct CacheRows {
+  const T* base;
+  const int64_t* table;
+  int64_t block_size, slot_stride, kv_offset, block, offset;
+  const T* row;
+
+  CacheRows(const T* base_, const int64_t* table_, int64_t block_size_, int64_t slot_stride_, int64_t kv_offset_,
+            int64_t first)
+      : base(base_), table(table_), block_size(block_size_), slot_stride(slot_stride_), kv_offset(kv_offset_),
+        block(first / block_size_), offset(first % block_size_) {
+    row = at_block();
+  }
+  const T* at_block() const { return base + (table[block] * block_size + offset) * slot_stride + kv_offset; }
+  // The current row; moves to the next key.
+  const T* next() {
+    if (row == nullptr) row = at_block();
+    const T* current = row;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+      row = nullptr;  // looked up when needed: the table may end with this block
+    } else {
+      row += slot_stride;
+    }
+    return current;
+  }
+};
+
+// What a decode item needs: its query rows, its keys and where its output goes.
+template <typename T>
+struct DecodeItem {
+  const T* query;        // the token's first head of the group
+  int64_t query_stride;  // between its heads
+  const int64_t* table;  // the sequence's block table
+  int64_t kv_offset;     // the group's offset in a cache slot
+  int64_t first, last;   // the keys it sees
+  T* out;                // the output row of its first head (heads contiguous)
+};
+
+template <typename T, int kVecs, int kHeads>
+void decode_value_sums(const DecodeItem<T>& item, const T* v_ptr, int64_t block_size, int64_t slot_stride,
+                       const float* weights, int64_t weight_stride, const float* totals) {
+  constexpr int64_t kDim = kVecs * 16;
+  __m512 acc[kHeads][kVecs];
+  for (int r = 0; r < kHeads; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+  CacheRows<T> rows(v_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
+  for (int64_t i = 0, count = item.last - item.first + 1; i < count; ++i) {
+    const T* vrow = rows.next();
+    __m512 v[kVecs];
+    for (int c = 0; c < kVecs; ++c) v[c] = load16(vrow + c * 16);
+    for (int r = 0; r < kHeads; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * weight_stride + i]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kHeads; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / totals[r]);
+    alignas(64) float values[kDim];
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(values + c * 16, _mm512_mul_ps(acc[r][c], inv));
+    T* orow = item.out + r * kDim;
+    for (int64_t d = 0; d < kDim; ++d) orow[d] = from_f32<T>(values[d]);
+  }
+}
+
+// decode_value_sums for `heads` (1..kMaxHeads) heads, each count compiled with its sums in registers.
+template <typename T, int kVecs, int kHeads = 1>
+void decode_value_sums_for(int heads, const DecodeItem<T>& item, const T* v_ptr, int64_t block_size,
+                           int64_t slot_stride, const float* weights, int64_t weight_stride, const float* totals) {
+  constexpr int kMaxHeads = std::max(1, kPvFloats / (kVecs * 16));
+  if constexpr (kHeads < kMaxHeads) {
+    if (heads != kHeads) {
+      decode_value_sums_for<T, kVecs, kHeads + 1>(heads, item, v_ptr, block_size, slot_stride, weights, weight_stride,
+                                                  totals);
+      return;
+    }
+  }
+  decode_value_sums<T, kVecs, kHeads>(item, v_ptr, block_size, slot_stride, weights, weight_stride, totals);
+}
+
+// Scores (scaled) of keys first..last against each of the item's n_rep heads, into
+// scores[r * score_stride + key - first]; `partial` holds n_rep * 16 vectors.
+// Prefetches a key row into L1 and the value row at the same place of the value cache into L2.
+template <typename T>
+inline void prefetch_row(const T* key_row, std::ptrdiff_t value_offset, int64_t dim) {
+  const char* k = reinterpret_cast<const char*>(key_row);
+  const char* v = reinterpret_cast<const char*>(key_row + value_offset);
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    _mm_prefetch(k + byte, _MM_HINT_T0);
+    _mm_prefetch(v + byte, _MM_HINT_T1);
+  }
+}
+
+template <typename T, int kVecs>
+void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size, int64_t slot_stride,
+                   int64_t n_rep, float scale, float* scores, int64_t score_stride, __m512* partial) {
+  constexpr int64_t kDim = kVecs * 16;
+  const int64_t count = item.last - item.first + 1;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  // The queries: bfloat16 pairs as they are, or float32.
+  constexpr int kQueryVecs = kPairs ? kVecs / 2 : kVecs;
+  std::vector<__m512> query(n_rep * kQueryVecs);
+  for (int64_t r = 0; r < n_rep; ++r) {
+    const T* qrow = item.query + r * item.query_stride;
+    for (int c = 0; c < kQueryVecs; ++c) {
+      if constexpr (kPairs) {
+        query[r * kQueryVecs + c] = _mm512_castsi512_ps(_mm512_loadu_si512(qrow + c * 32));
+      } else {
+        query[r * kQueryVecs + c] = load16(qrow + c * 16);
+      }
+    }
+  }
+  CacheRows<T> rows(k_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
+  // The rows kAhead keys on: the key row into L1 for this loop, the value row into L2 for the
+  // value sums. The context's rows are scattered over cache blocks and usually not in any cache
+  // yet, and the hardware prefetchers lose the trail at every block boundary.
+  constexpr int64_t kAhead = 8;
+  const int64_t v_minus_k = v_ptr - k_ptr;
+  CacheRows<T> ahead(k_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
+  for (int64_t i = 0; i < std::min(kAhead, count); ++i) prefetch_row(ahead.next(), v_minus_k, kDim);
+  for (int64_t p0 = 0; p0 < count; p0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, count - p0));
+    for (int j = 0; j < 16; ++j) {
+      if (j >= n) {
+        for (int64_t r = 0; r < n_rep; ++r) partial[r * 16 + j] = _mm512_setzero_ps();
+        continue;
+      }
+      if (p0 + j + kAhead < count) prefetch_row(ahead.next(), v_minus_k, kDim);
+      const T* krow = rows.next();
+      __m512 key[kQueryVecs];
+      for (int c = 0; c < kQueryVecs; ++c) {
+        if constexpr (kPairs) {
+          key[c] = _mm512_castsi512_ps(_mm512_loadu_si512(krow + c * 32));
+        } else {
+          key[c] = load16(krow + c * 16);
+        }
+      }
+      for (int64_t r = 0; r < n_rep; ++r) {
+        const __m512* q = query.data() + r * kQueryVecs;
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < kQueryVecs; ++c) {
+#if defined(__AVX512BF16__)
+          if constexpr (kPairs) {
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)q[c], (__m512bh)key[c]);
+            continue;
+          }
+#endif
+          acc = _mm512_fmadd_ps(q[c], key[c], acc);
+        }
+        partial[r * 16 + j] = acc;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t r = 0; r < n_rep; ++r) {
+      _mm512_mask_storeu_ps(scores + r * score_stride + p0, valid,
+                            _mm512_mul_ps(sum_lanes16(partial + r * 16), scale_v));
+    }
+  }
+}
+
+// The largest of x[0..n), sixteen at a time (a scalar std::max loop stays one dependent chain).
+inline float max_of(const float* x, int64_t n) {
+  __m512 largest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) largest = _mm512_max_ps(largest, _mm512_loadu_ps(x + i));
+  if (i < n) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    largest = _mm512_mask_max_ps(largest, rest, largest, _mm512_maskz_loadu_ps(rest, x + i));
+  }
+  return _mm512_reduce_max_ps(largest);
+}
+
+template <typename T, int kVecs>
+void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size,
+                   int64_t slot_stride, int64_t n_rep, float scale, float* scores, int64_t score_stride,
+                   __m512* partial) {
+  decode_scores<T, kVecs>(item, k_ptr, v_ptr, block_size, slot_stride, n_rep, scale, scores, score_stride, partial);
+  const int64_t count = item.last - item.first + 1;
+  std::vector<float> totals(n_rep);
+  for (int64_t r = 0; r < n_rep; ++r) {
+    float* w = scores + r * score_stride;
+    const float max_score = max_of(w, count);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < count; ++i) {
+      w[i] = fast_exp(w[i] - max_score);
+      total += w[i];
+    }
+    totals[r] = total;
+  }
+  constexpr int kMaxHeads = std::max(1, kPvFloats / (kVecs * 16));
+  constexpr int64_t kDim = kVecs * 16;
+  for (int64_t r0 = 0; r0 < n_rep; r0 += kMaxHeads) {
+    const int heads = static_cast<int>(std::min<int64_t>(kMaxHeads, n_rep - r0));
+    DecodeItem<T> pass = item;
+    pass.out = item.out + r0 * kDim;
+    decode_value_sums_for<T, kVecs>(heads, pass, v_ptr, block_size, slot_stride, scores + r0 * score_stride,
+                                    score_stride, totals.data() + r0);
+  }
+}
+#endif
+
 // kHeadDim > 0: the head size is known when compiling (the common sizes), so the per-key loops
 // have fixed trip counts and their accumulators stay in registers; 0: any head size.
 template <typename T, int64_t kHeadDim>
@@ -276,8 +517,8 @@ void paged_attention_kernel(
   // Work items. A sequence verifying several tokens, where attend_lanes is built for this head
   // size, gives items of up to 16 of its rows of one KV group. Every other token (decode steps)
   // gives one item per KV group: the token's n_rep heads of the group, each key and value row
-  // converted to float once for all of them; each such row is computed by the same loops whatever
-  // else is in the step.
+  // read once for all of them (attend_decode where it is built, else the loops below); each such
+  // row is computed by the same loops whatever else is in the step.
 #if defined(__AVX512F__)
   constexpr bool kLanesBuilt =
       (kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128) && !std::is_same_v<T, double>;
@@ -318,6 +559,7 @@ void paged_attention_kernel(
 #if defined(__AVX512F__)
     std::vector<float> lane_scores(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
     std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
+    std::vector<__m512> partial(kLanesBuilt ? n_rep * 16 : 0);
 #endif
     for (int64_t index = begin; index < end; ++index) {
 #if defined(__AVX512F__)
@@ -342,6 +584,15 @@ void paged_attention_kernel(
       const int64_t count = last - first + 1;
       const int64_t* table = tables + b * table_width;
       const int64_t kv_offset = g * head_dim;
+#if defined(__AVX512F__)
+      if constexpr (kLanesBuilt) {
+        const DecodeItem<T> decode{q_ptr + t * q_token_stride + h0 * q_head_stride, q_head_stride, table, kv_offset,
+                                   first, last, out_ptr + t * num_heads * head_dim + h0 * head_dim};
+        attend_decode<T, (kLanesBuilt ? kHeadDim : 16) / 16>(decode, k_ptr, v_ptr, block_size, kv_slot_stride, n_rep,
+                                                             fscale, scores.data(), longest, partial.data());
+        continue;
+      }
+#endif
 
       for (int64_t r = 0; r < n_rep; ++r) {
         const T* qrow = q_ptr + t * q_token_stride + (h0 + r) * q_head_stride;
