@@ -244,31 +244,96 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
 // row-by-row kernel below converts a key once but then pays, per key and head, a dot product with
 // a horizontal sum, and reads every value row once per head. This one reads each key row once for
 // all the group's heads (bfloat16 pairs multiplied by AVX512-BF16's dot instruction where the CPU
-// has it, else float32 multiply-adds), sums sixteen keys' partial vectors across lanes together
-// (a transpose tree instead of a horizontal sum per key), runs the softmax sixteen keys a vector,
-// and reads each value row once for up to kPvFloats / 16 lanes' worth of heads, their sums in
-// registers. A row's arithmetic depends on its own sequence only, so a decode token gets the same
-// bits whatever else is in the step.
-#if defined(__AVX512F__)
-constexpr int kPvFloats = 24 * 16;  // value sums kept in registers at once (24 vectors)
+// has it, else float32 multiply-adds), sums a vector's width of keys' partial vectors across
+// lanes together (a transpose tree instead of a horizontal sum per key), runs the softmax a vector
+// of keys at a time, and reads each value row once for as many heads as keep their sums in
+// registers. It prefetches rows ahead across cache blocks, where the hardware prefetchers lose
+// the trail. A row's arithmetic depends on its own sequence only, so a decode token gets the same
+// bits whatever else is in the step. Built for AVX-512 and for AVX2 with FMA and F16C.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define SONAR_DECODE_BUILT 1
 
-// Lane j of the result: the sum of v[j]'s sixteen lanes.
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#if defined(__AVX512F__)
+// 16 float lanes.
+struct Wide {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 24;  // vectors of value sums kept in registers at once
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) { return load16(p); }
+  static V load(const c10::Half* p) { return load16(p); }
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static V load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store_first(float* p, V v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  // Lane j of the result: the sum of v[j]'s lanes.
+  static V sum_lanes(const V* v) {
+    V pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; ++i) {
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+      quads[i] =
+          _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i) {
+      halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+};
+#else
+// 8 float lanes.
+struct Wide {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 12;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
-  for (int i = 0; i < 2; ++i) {
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m256i first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+  static V load_first(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void store_first(float* p, V v, int n) { _mm256_maskstore_ps(p, first(n), v); }
+  static float reduce_max(V v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static V sum_lanes(const V* v) {
+    V pairs[4], quads[2];
+    for (int i = 0; i < 4; ++i) {
+      pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const __m256d x = _mm256_castps_pd(pairs[2 * i]), y = _mm256_castps_pd(pairs[2 * i + 1]);
+      quads[i] =
+          _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                         _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  }
+};
+#endif
 
 // Walks the rows of keys first, first + 1, ... of one KV head through the block table, one
 // division at the start instead of one per key.
@@ -312,49 +377,6 @@ struct DecodeItem {
   T* out;                // the output row of its first head (heads contiguous)
 };
 
-template <typename T, int kVecs, int kHeads>
-void decode_value_sums(const DecodeItem<T>& item, const T* v_ptr, int64_t block_size, int64_t slot_stride,
-                       const float* weights, int64_t weight_stride, const float* totals) {
-  constexpr int64_t kDim = kVecs * 16;
-  __m512 acc[kHeads][kVecs];
-  for (int r = 0; r < kHeads; ++r)
-    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
-  CacheRows<T> rows(v_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
-  for (int64_t i = 0, count = item.last - item.first + 1; i < count; ++i) {
-    const T* vrow = rows.next();
-    __m512 v[kVecs];
-    for (int c = 0; c < kVecs; ++c) v[c] = load16(vrow + c * 16);
-    for (int r = 0; r < kHeads; ++r) {
-      const __m512 w = _mm512_set1_ps(weights[r * weight_stride + i]);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < kHeads; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / totals[r]);
-    alignas(64) float values[kDim];
-    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(values + c * 16, _mm512_mul_ps(acc[r][c], inv));
-    T* orow = item.out + r * kDim;
-    for (int64_t d = 0; d < kDim; ++d) orow[d] = from_f32<T>(values[d]);
-  }
-}
-
-// decode_value_sums for `heads` (1..kMaxHeads) heads, each count compiled with its sums in registers.
-template <typename T, int kVecs, int kHeads = 1>
-void decode_value_sums_for(int heads, const DecodeItem<T>& item, const T* v_ptr, int64_t block_size,
-                           int64_t slot_stride, const float* weights, int64_t weight_stride, const float* totals) {
-  constexpr int kMaxHeads = std::max(1, kPvFloats / (kVecs * 16));
-  if constexpr (kHeads < kMaxHeads) {
-    if (heads != kHeads) {
-      decode_value_sums_for<T, kVecs, kHeads + 1>(heads, item, v_ptr, block_size, slot_stride, weights, weight_stride,
-                                                  totals);
-      return;
-    }
-  }
-  decode_value_sums<T, kVecs, kHeads>(item, v_ptr, block_size, slot_stride, weights, weight_stride, totals);
-}
-
-// Scores (scaled) of keys first..last against each of the item's n_rep heads, into
-// scores[r * score_stride + key - first]; `partial` holds n_rep * 16 vectors.
 // Prefetches a key row into L1 and the value row at the same place of the value cache into L2.
 template <typename T>
 inline void prefetch_row(const T* key_row, std::ptrdiff_t value_offset, int64_t dim) {
@@ -366,58 +388,78 @@ inline void prefetch_row(const T* key_row, std::ptrdiff_t value_offset, int64_t 
   }
 }
 
-template <typename T, int kVecs>
+// The largest of x[0..n), a vector at a time (a scalar std::max loop stays one dependent chain).
+inline float max_of(const float* x, int64_t n) {
+  const Wide::V minus_inf = Wide::set1(-std::numeric_limits<float>::infinity());
+  Wide::V largest = minus_inf;
+  int64_t i = 0;
+  for (; i + Wide::kLanes <= n; i += Wide::kLanes) largest = Wide::max(largest, Wide::load(x + i));
+  if (i < n) {
+    float rest[Wide::kLanes];
+    Wide::store(rest, minus_inf);
+    std::copy(x + i, x + n, rest);
+    largest = Wide::max(largest, Wide::load(rest));
+  }
+  return Wide::reduce_max(largest);
+}
+
+// Scores (scaled) of keys first..last against each of the item's n_rep heads, into
+// scores[r * score_stride + key - first]; `partial` holds n_rep * kLanes vectors.
+template <typename T, int64_t kDim>
 void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size, int64_t slot_stride,
-                   int64_t n_rep, float scale, float* scores, int64_t score_stride, __m512* partial) {
-  constexpr int64_t kDim = kVecs * 16;
+                   int64_t n_rep, float scale, float* scores, int64_t score_stride, Wide::V* partial) {
+  constexpr int kLanes = Wide::kLanes;
   const int64_t count = item.last - item.first + 1;
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  const Wide::V scale_v = Wide::set1(scale);
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
 #else
   constexpr bool kPairs = false;
 #endif
   // The queries: bfloat16 pairs as they are, or float32.
-  constexpr int kQueryVecs = kPairs ? kVecs / 2 : kVecs;
-  std::vector<__m512> query(n_rep * kQueryVecs);
+  constexpr int kQueryVecs = kPairs ? kDim / 32 : kDim / kLanes;
+  std::vector<Wide::V> query(n_rep * kQueryVecs);
   for (int64_t r = 0; r < n_rep; ++r) {
     const T* qrow = item.query + r * item.query_stride;
     for (int c = 0; c < kQueryVecs; ++c) {
+#if defined(__AVX512BF16__)
       if constexpr (kPairs) {
         query[r * kQueryVecs + c] = _mm512_castsi512_ps(_mm512_loadu_si512(qrow + c * 32));
-      } else {
-        query[r * kQueryVecs + c] = load16(qrow + c * 16);
+        continue;
       }
+#endif
+      query[r * kQueryVecs + c] = Wide::load(qrow + c * kLanes);
     }
   }
   CacheRows<T> rows(k_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
   // The rows kAhead keys on: the key row into L1 for this loop, the value row into L2 for the
-  // value sums. The context's rows are scattered over cache blocks and usually not in any cache
-  // yet, and the hardware prefetchers lose the trail at every block boundary.
+  // value sums.
   constexpr int64_t kAhead = 8;
-  const int64_t v_minus_k = v_ptr - k_ptr;
+  const std::ptrdiff_t v_minus_k = v_ptr - k_ptr;
   CacheRows<T> ahead(k_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
   for (int64_t i = 0; i < std::min(kAhead, count); ++i) prefetch_row(ahead.next(), v_minus_k, kDim);
-  for (int64_t p0 = 0; p0 < count; p0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, count - p0));
-    for (int j = 0; j < 16; ++j) {
+  for (int64_t p0 = 0; p0 < count; p0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, count - p0));
+    for (int j = 0; j < kLanes; ++j) {
       if (j >= n) {
-        for (int64_t r = 0; r < n_rep; ++r) partial[r * 16 + j] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < n_rep; ++r) partial[r * kLanes + j] = Wide::zero();
         continue;
       }
       if (p0 + j + kAhead < count) prefetch_row(ahead.next(), v_minus_k, kDim);
       const T* krow = rows.next();
-      __m512 key[kQueryVecs];
+      Wide::V key[kQueryVecs];
       for (int c = 0; c < kQueryVecs; ++c) {
+#if defined(__AVX512BF16__)
         if constexpr (kPairs) {
           key[c] = _mm512_castsi512_ps(_mm512_loadu_si512(krow + c * 32));
-        } else {
-          key[c] = load16(krow + c * 16);
+          continue;
         }
+#endif
+        key[c] = Wide::load(krow + c * kLanes);
       }
       for (int64_t r = 0; r < n_rep; ++r) {
-        const __m512* q = query.data() + r * kQueryVecs;
-        __m512 acc = _mm512_setzero_ps();
+        const Wide::V* q = query.data() + r * kQueryVecs;
+        Wide::V acc = Wide::zero();
         for (int c = 0; c < kQueryVecs; ++c) {
 #if defined(__AVX512BF16__)
           if constexpr (kPairs) {
@@ -425,36 +467,66 @@ void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
             continue;
           }
 #endif
-          acc = _mm512_fmadd_ps(q[c], key[c], acc);
+          acc = Wide::fmadd(q[c], key[c], acc);
         }
-        partial[r * 16 + j] = acc;
+        partial[r * kLanes + j] = acc;
       }
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
     for (int64_t r = 0; r < n_rep; ++r) {
-      _mm512_mask_storeu_ps(scores + r * score_stride + p0, valid,
-                            _mm512_mul_ps(sum_lanes16(partial + r * 16), scale_v));
+      Wide::store_first(scores + r * score_stride + p0, Wide::mul(Wide::sum_lanes(partial + r * kLanes), scale_v), n);
     }
   }
 }
 
-// The largest of x[0..n), sixteen at a time (a scalar std::max loop stays one dependent chain).
-inline float max_of(const float* x, int64_t n) {
-  __m512 largest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) largest = _mm512_max_ps(largest, _mm512_loadu_ps(x + i));
-  if (i < n) {
-    const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    largest = _mm512_mask_max_ps(largest, rest, largest, _mm512_maskz_loadu_ps(rest, x + i));
+template <typename T, int64_t kDim, int kHeads>
+void decode_value_sums(const DecodeItem<T>& item, const T* v_ptr, int64_t block_size, int64_t slot_stride,
+                       const float* weights, int64_t weight_stride, const float* totals) {
+  constexpr int kVecs = kDim / Wide::kLanes;
+  Wide::V acc[kHeads][kVecs];
+  for (int r = 0; r < kHeads; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = Wide::zero();
+  CacheRows<T> rows(v_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
+  for (int64_t i = 0, count = item.last - item.first + 1; i < count; ++i) {
+    const T* vrow = rows.next();
+    Wide::V v[kVecs];
+    for (int c = 0; c < kVecs; ++c) v[c] = Wide::load(vrow + c * Wide::kLanes);
+    for (int r = 0; r < kHeads; ++r) {
+      const Wide::V w = Wide::set1(weights[r * weight_stride + i]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = Wide::fmadd(w, v[c], acc[r][c]);
+    }
   }
-  return _mm512_reduce_max_ps(largest);
+  for (int r = 0; r < kHeads; ++r) {
+    const Wide::V inv = Wide::set1(1.f / totals[r]);
+    float values[kDim];
+    for (int c = 0; c < kVecs; ++c) Wide::store(values + c * Wide::kLanes, Wide::mul(acc[r][c], inv));
+    T* orow = item.out + r * kDim;
+    for (int64_t d = 0; d < kDim; ++d) orow[d] = from_f32<T>(values[d]);
+  }
 }
 
-template <typename T, int kVecs>
+// Heads whose value sums stay in registers together.
+template <int64_t kDim>
+constexpr int kPvHeads = std::max<int>(1, Wide::kRegisters / static_cast<int>(kDim / Wide::kLanes));
+
+// decode_value_sums for `heads` (1..kPvHeads) heads, each count compiled with its sums in registers.
+template <typename T, int64_t kDim, int kHeads = 1>
+void decode_value_sums_for(int heads, const DecodeItem<T>& item, const T* v_ptr, int64_t block_size,
+                           int64_t slot_stride, const float* weights, int64_t weight_stride, const float* totals) {
+  if constexpr (kHeads < kPvHeads<kDim>) {
+    if (heads != kHeads) {
+      decode_value_sums_for<T, kDim, kHeads + 1>(heads, item, v_ptr, block_size, slot_stride, weights, weight_stride,
+                                                 totals);
+      return;
+    }
+  }
+  decode_value_sums<T, kDim, kHeads>(item, v_ptr, block_size, slot_stride, weights, weight_stride, totals);
+}
+
+template <typename T, int64_t kDim>
 void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size,
                    int64_t slot_stride, int64_t n_rep, float scale, float* scores, int64_t score_stride,
-                   __m512* partial) {
-  decode_scores<T, kVecs>(item, k_ptr, v_ptr, block_size, slot_stride, n_rep, scale, scores, score_stride, partial);
+                   Wide::V* partial) {
+  decode_scores<T, kDim>(item, k_ptr, v_ptr, block_size, slot_stride, n_rep, scale, scores, score_stride, partial);
   const int64_t count = item.last - item.first + 1;
   std::vector<float> totals(n_rep);
   for (int64_t r = 0; r < n_rep; ++r) {
@@ -468,14 +540,12 @@ void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
     }
     totals[r] = total;
   }
-  constexpr int kMaxHeads = std::max(1, kPvFloats / (kVecs * 16));
-  constexpr int64_t kDim = kVecs * 16;
-  for (int64_t r0 = 0; r0 < n_rep; r0 += kMaxHeads) {
-    const int heads = static_cast<int>(std::min<int64_t>(kMaxHeads, n_rep - r0));
+  for (int64_t r0 = 0; r0 < n_rep; r0 += kPvHeads<kDim>) {
+    const int heads = static_cast<int>(std::min<int64_t>(kPvHeads<kDim>, n_rep - r0));
     DecodeItem<T> pass = item;
     pass.out = item.out + r0 * kDim;
-    decode_value_sums_for<T, kVecs>(heads, pass, v_ptr, block_size, slot_stride, scores + r0 * score_stride,
-                                    score_stride, totals.data() + r0);
+    decode_value_sums_for<T, kDim>(heads, pass, v_ptr, block_size, slot_stride, scores + r0 * score_stride,
+                                   score_stride, totals.data() + r0);
   }
 }
 #endif
@@ -526,6 +596,10 @@ void paged_attention_kernel(
 #else
   constexpr bool kLanesBuilt = false;
 #endif
+#if defined(SONAR_DECODE_BUILT)
+  constexpr bool kDecodeBuilt =
+      (kHeadDim == 32 || kHeadDim == 64 || kHeadDim == 128) && !std::is_same_v<T, double>;
+#endif
   std::vector<int64_t> row_tokens;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t query_len = starts[b + 1] - starts[b];
@@ -559,7 +633,9 @@ void paged_attention_kernel(
 #if defined(__AVX512F__)
     std::vector<float> lane_scores(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
     std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
-    std::vector<__m512> partial(kLanesBuilt ? n_rep * 16 : 0);
+#endif
+#if defined(SONAR_DECODE_BUILT)
+    std::vector<Wide::V> partial(kDecodeBuilt ? n_rep * Wide::kLanes : 0);
 #endif
     for (int64_t index = begin; index < end; ++index) {
 #if defined(__AVX512F__)
@@ -584,12 +660,12 @@ void paged_attention_kernel(
       const int64_t count = last - first + 1;
       const int64_t* table = tables + b * table_width;
       const int64_t kv_offset = g * head_dim;
-#if defined(__AVX512F__)
-      if constexpr (kLanesBuilt) {
+#if defined(SONAR_DECODE_BUILT)
+      if constexpr (kDecodeBuilt) {
         const DecodeItem<T> decode{q_ptr + t * q_token_stride + h0 * q_head_stride, q_head_stride, table, kv_offset,
                                    first, last, out_ptr + t * num_heads * head_dim + h0 * head_dim};
-        attend_decode<T, (kLanesBuilt ? kHeadDim : 16) / 16>(decode, k_ptr, v_ptr, block_size, kv_slot_stride, n_rep,
-                                                             fscale, scores.data(), longest, partial.data());
+        attend_decode<T, kDecodeBuilt ? kHeadDim : 32>(decode, k_ptr, v_ptr, block_size, kv_slot_stride, n_rep,
+                                                       fscale, scores.data(), longest, partial.data());
         continue;
       }
 #endif
