@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sampling_params import SamplingParams
 
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows float32.
@@ -113,7 +114,7 @@ def processed_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 def _one_hot_argmax(logits: Tensor) -> Tensor:
     # torch.argmax returns the first maximal index, so ties resolve to the lowest token id.
     probs = torch.zeros_like(logits)
-    probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    probs.scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
     return probs
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sample.processing import SamplingBatch, processed_probs
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "draw_race_weights", "make_generator"]
@@ -72,12 +73,12 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch, want_logprobs: bool = False) -> SamplerOutput:
         logits = logits.float()
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         else:
             probs = processed_probs(logits, batch)
             weights = draw_race_weights(batch, logits.shape[-1], logits.device)
             # Greedy rows hold one-hot probs and weight 1, so the same argmax picks their argmax.
-            token_ids = (probs * weights).argmax(dim=-1)
+            token_ids = argmax_rows(probs * weights)
         logprobs = None
         if want_logprobs:
             logprobs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)

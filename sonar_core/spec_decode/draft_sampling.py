@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sample.processing import SamplingBatch, processed_probs
 from sonar_core.sample.sampler import draw_race_weights
 from sonar_core.sampling_params import SamplingParams
@@ -61,12 +62,12 @@ class DraftSampler:
         """``[R, Vd]`` draft logits -> one token per row (and its distribution when probabilistic)."""
         logits = logits.float()
         if batch is None:
-            return DraftSample(self.vocab_map.to_target(logits.argmax(dim=-1)), None)
+            return DraftSample(self.vocab_map.to_target(argmax_rows(logits)), None)
         probs = processed_probs(logits, batch)
         if batch.all_greedy:
-            draft_ids = probs.argmax(dim=-1)
+            draft_ids = argmax_rows(probs)
         else:
             # The exponential race (see sonar_core.sample.sampler): greedy rows hold one-hot
             # probabilities and weight 1, so the same argmax picks their argmax.
-            draft_ids = (probs * draw_race_weights(batch, probs.shape[-1], probs.device)).argmax(dim=-1)
+            draft_ids = argmax_rows(probs * draw_race_weights(batch, probs.shape[-1], probs.device))
         return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs))

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sample.processing import SamplingBatch, processed_probs
 from sonar_core.sample.sampler import draw_race_weights
 
@@ -150,7 +151,7 @@ def _verify_greedy(target_logits: Tensor, metadata: SpecDecodeMetadata) -> Rejec
     The same result as the general walk with one-hot target rows and no noise, from one argmax per
     row instead of several [rows, vocab] tensors, since greedy decoding is the common hot path.
     """
-    top = target_logits.argmax(dim=-1).tolist()
+    top = argmax_rows(target_logits).tolist()
     drafts = metadata.draft_token_ids.tolist()
     outputs: list[list[int]] = []
     accepted: list[int] = []
@@ -242,7 +243,7 @@ def rejection_verify_torch(
         else:
             q = draft_probs[draft_rows]
         dist[rejected] = residual_distribution(dist[rejected], q)
-    final = (dist * weights).argmax(dim=-1)
+    final = argmax_rows(dist * weights)
     out_tokens.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out_tokens, num_accepted
 

@@ -22,6 +22,7 @@ from sonar_core.layers.attention import (
 )
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
+from sonar_core.sample.greedy import argmax_rows
 
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.problem()}")
@@ -96,6 +97,39 @@ def test_silu_and_mul_matches_pytorch(dtype):
     expected = F.silu(x[:, :40]) * x[:, 40:]
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ops.silu_and_mul(x), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 49152])
+def test_argmax_rows_picks_what_torch_argmax_picks(width):
+    """Random rows, ties (the first maximum wins, in and after the vector part), a NaN anywhere
+    (the first NaN wins), rows of -inf, and +inf."""
+    gen = torch.Generator().manual_seed(width)
+    rows = [torch.randn(width, generator=gen) for _ in range(4)]
+    tied = torch.randn(width, generator=gen)
+    tied[torch.randint(width, (3,), generator=gen)] = 9.0
+    rows.append(tied)
+    rows.append(torch.full((width,), 2.0))
+    rows.append(torch.full((width,), float("-inf")))
+    for spot in {0, width // 2, width - 1}:
+        with_nan = torch.randn(width, generator=gen)
+        with_nan[spot] = float("nan")
+        rows.append(with_nan)
+        with_inf = torch.randn(width, generator=gen)
+        with_inf[spot] = float("inf")
+        rows.append(with_inf)
+    x = torch.stack(rows)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_greedy_picks_use_the_kernel_only_where_it_applies():
+    """argmax_rows falls back to torch.argmax off the kernel's case (other dtypes, strided rows),
+    with the same answer."""
+    x = torch.randn(5, 300)
+    x[2, 17] = x[2, 200] = 50.0
+    for tensor in (x, x.to(torch.bfloat16), x.t().contiguous().t(), x[:, ::2]):
+        assert torch.equal(argmax_rows(tensor), tensor.argmax(dim=-1))
+    with cpu_kernels.disabled():
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
 
 
 def _scenario(dtype, context_lens, query_lens, causal=True, heads=6, kv_heads=2, head_dim=32, block=4, seed=0):

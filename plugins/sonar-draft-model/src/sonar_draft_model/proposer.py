@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sample.processing import SamplingBatch
 from sonar_core.spec_decode.draft_attention import DraftChain
 from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
@@ -163,7 +164,7 @@ class DraftModelProposer(Proposer):
         proposes from exactly the distribution the target verifies against.
         """
         if self.sampler is None:
-            draft_ids = logits.argmax(dim=-1)
+            draft_ids = argmax_rows(logits)
             return draft_ids, DraftSample(self.vocab.to_target(draft_ids), None)
         sample = self.sampler.sample(logits, sampling)
         return sample.token_ids, sample
