@@ -112,7 +112,7 @@ def processed_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:
-    # torch.argmax returns the first maximal index, so ties resolve to the lowest token id.
+    # argmax_rows returns the first maximal index, as torch.argmax does: ties go to the lowest token id.
     probs = torch.zeros_like(logits)
     probs.scatter_(1, argmax_rows(logits).unsqueeze(1), 1.0)
     return probs

@@ -269,7 +269,6 @@ struct Wide {
   static V load(const c10::BFloat16* p) { return load16(p); }
   static V load(const c10::Half* p) { return load16(p); }
   static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
-  static V load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void store_first(float* p, V v, int n) { _mm512_mask_storeu_ps(p, first(n), v); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
@@ -312,7 +311,6 @@ struct Wide {
   static __m256i first(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  static V load_first(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void store_first(float* p, V v, int n) { _mm256_maskstore_ps(p, first(n), v); }
   static float reduce_max(V v) {
@@ -378,6 +376,17 @@ struct DecodeItem {
   T* out;                // the output row of its first head (heads contiguous)
 };
 
+// A thread's working memory for decode items, sized once per parallel chunk (no allocation per
+// item on the step's hot path): per head of the group its query vectors, a vector's width of
+// keys' partial score vectors, and its softmax total.
+struct DecodeScratch {
+  std::vector<Wide::V> query, partial;
+  std::vector<float> totals;
+
+  DecodeScratch(int64_t n_rep, int64_t head_dim)
+      : query(n_rep * std::max<int64_t>(1, head_dim / Wide::kLanes)), partial(n_rep * Wide::kLanes), totals(n_rep) {}
+};
+
 // Prefetches a key row into L1 and the value row at the same place of the value cache into L2.
 template <typename T>
 inline void prefetch_row(const T* key_row, std::ptrdiff_t value_offset, int64_t dim) {
@@ -405,10 +414,10 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 // Scores (scaled) of keys first..last against each of the item's n_rep heads, into
-// scores[r * score_stride + key - first]; `partial` holds n_rep * kLanes vectors.
+// scores[r * score_stride + key - first].
 template <typename T, int64_t kDim>
 void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size, int64_t slot_stride,
-                   int64_t n_rep, float scale, float* scores, int64_t score_stride, Wide::V* partial) {
+                   int64_t n_rep, float scale, float* scores, int64_t score_stride, DecodeScratch& scratch) {
   constexpr int kLanes = Wide::kLanes;
   const int64_t count = item.last - item.first + 1;
   const Wide::V scale_v = Wide::set1(scale);
@@ -419,7 +428,8 @@ void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
 #endif
   // The queries: bfloat16 pairs as they are, or float32.
   constexpr int kQueryVecs = kPairs ? kDim / 32 : kDim / kLanes;
-  std::vector<Wide::V> query(n_rep * kQueryVecs);
+  Wide::V* query = scratch.query.data();
+  Wide::V* partial = scratch.partial.data();
   for (int64_t r = 0; r < n_rep; ++r) {
     const T* qrow = item.query + r * item.query_stride;
     for (int c = 0; c < kQueryVecs; ++c) {
@@ -459,7 +469,7 @@ void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
         key[c] = Wide::load(krow + c * kLanes);
       }
       for (int64_t r = 0; r < n_rep; ++r) {
-        const Wide::V* q = query.data() + r * kQueryVecs;
+        const Wide::V* q = query + r * kQueryVecs;
         Wide::V acc = Wide::zero();
         for (int c = 0; c < kQueryVecs; ++c) {
 #if defined(__AVX512BF16__)
@@ -526,10 +536,10 @@ void decode_value_sums_for(int heads, const DecodeItem<T>& item, const T* v_ptr,
 template <typename T, int64_t kDim>
 void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, int64_t block_size,
                    int64_t slot_stride, int64_t n_rep, float scale, float* scores, int64_t score_stride,
-                   Wide::V* partial) {
-  decode_scores<T, kDim>(item, k_ptr, v_ptr, block_size, slot_stride, n_rep, scale, scores, score_stride, partial);
+                   DecodeScratch& scratch) {
+  decode_scores<T, kDim>(item, k_ptr, v_ptr, block_size, slot_stride, n_rep, scale, scores, score_stride, scratch);
   const int64_t count = item.last - item.first + 1;
-  std::vector<float> totals(n_rep);
+  float* totals = scratch.totals.data();
   for (int64_t r = 0; r < n_rep; ++r) {
     float* w = scores + r * score_stride;
     const float max_score = max_of(w, count);
@@ -546,7 +556,7 @@ void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
     DecodeItem<T> pass = item;
     pass.out = item.out + r0 * kDim;
     decode_value_sums_for<T, kDim>(heads, pass, v_ptr, block_size, slot_stride, scores + r0 * score_stride,
-                                   score_stride, totals.data() + r0);
+                                   score_stride, totals + r0);
   }
 }
 #endif
@@ -636,7 +646,7 @@ void paged_attention_kernel(
     std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
 #endif
 #if defined(SONAR_DECODE_BUILT)
-    std::vector<Wide::V> partial(kDecodeBuilt ? n_rep * Wide::kLanes : 0);
+    DecodeScratch decode_scratch(kDecodeBuilt ? n_rep : 0, head_dim);
 #endif
     for (int64_t index = begin; index < end; ++index) {
 #if defined(__AVX512F__)
@@ -666,7 +676,7 @@ void paged_attention_kernel(
         const DecodeItem<T> decode{q_ptr + t * q_token_stride + h0 * q_head_stride, q_head_stride, table, kv_offset,
                                    first, last, out_ptr + t * num_heads * head_dim + h0 * head_dim};
         attend_decode<T, kDecodeBuilt ? kHeadDim : 32>(decode, k_ptr, v_ptr, block_size, kv_slot_stride, n_rep,
-                                                       fscale, scores.data(), longest, partial.data());
+                                                       fscale, scores.data(), longest, decode_scratch);
         continue;
       }
 #endif
