@@ -74,17 +74,29 @@ class Linear(nn.Linear):
         """``x @ weight.T + bias`` by the fastest path this layer was packed for."""
         if self.packed_from is None or (torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, bias)
-        if self.packed_from != _identity(self.weight):
-            self.pack()
-        if self.skinny_weight is not None and x.numel() <= self.skinny_rows * self.in_features:
+        skinny = self.skinny_for(x.numel() // self.in_features, x.dtype)
+        if skinny is not None:
             ops = cpu_kernels.for_tensor(x)
-            if ops is not None and x.dtype == self.skinny_weight.dtype:
+            if ops is not None:
                 rows = x.reshape(-1, self.in_features)
-                out = ops.skinny_linear(rows, self.skinny_weight, bias, self.out_features)
+                out = ops.skinny_linear(rows, skinny, bias, self.out_features)
                 return out.view(*x.shape[:-1], self.out_features)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+    def skinny_for(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The packed weight the skinny kernel multiplies ``rows`` rows of ``dtype`` with, or None
+        where this layer takes another path. A weight changed in place since it was packed is
+        packed again first. For a packed layer outside autograd (:meth:`multiply` checks that)."""
+        if self.packed_from is None:
+            return None
+        if self.packed_from != _identity(self.weight):
+            self.pack()
+        skinny = self.skinny_weight
+        if skinny is None or skinny.dtype != dtype or rows > self.skinny_rows:
+            return None
+        return skinny
 
     def pack(self) -> bool:
         """Make the packed copy this machine can use of a CPU weight: the skinny kernel's

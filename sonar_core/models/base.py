@@ -13,6 +13,7 @@ from torch import nn
 
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.layers.direct_layers import DirectLayer, run_layers
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.meta_build import on_meta_device
 from sonar_core.models.sharding import ShardRule
@@ -176,11 +177,16 @@ class LayerStackLM(CausalLM):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if capture is not None:
             capture.record(0, hidden)
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[index], attn_metadata)
-            if capture is not None:
-                capture.record(index + 1, hidden)
+        hidden = run_layers(self.model.layers, self._direct_layers(), hidden, cos, sin, kv_caches, attn_metadata, capture)
         return self.model.norm(hidden)
+
+    def _direct_layers(self) -> list[DirectLayer | None]:
+        """Each layer's :class:`DirectLayer` form (None where it has none), made on first use."""
+        direct = self.__dict__.get("_direct")
+        if direct is None or len(direct) != len(self.model.layers):
+            direct = [DirectLayer.of(layer) for layer in self.model.layers]
+            self.__dict__["_direct"] = direct
+        return direct
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
