@@ -5,8 +5,8 @@ memory, and the module path wraps each in Python (``nn.Module`` calls, attribute
 checks of which kernel applies, views). Replaying one SmolLM2 decode step (one request, bfloat16,
 2 threads) took 23.8 ms through the modules and 18.8 ms as the direct calls below, about what its
 matmuls alone took. The layers that qualify (:meth:`DirectLayer.of`: the pre-norm layer of Llama,
-Qwen2 and MiMo without q/k norms or an output gate, SiLU, on one rank) take the same kernels with
-the same arguments in the same order as their modules would, so the output is the same bits; a
+Qwen2, Qwen3 and MiMo, SiLU, no output gate, on one rank) take the same kernels with the same
+arguments in the same order as their modules would, so the output is the same bits; a
 step or layer the kernels do not take (autograd, a dtype or row count they are not built for, a
 weight not packed for them, attention not in place) runs its module instead.
 """
@@ -38,6 +38,9 @@ class DirectLayer:
     module: DecoderLayer
     input_norm: RMSNorm
     qkv: Linear
+    # Qwen3's per-head norms of q and k (their modules run them, as in the module path).
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
     o: Linear
     post_norm: RMSNorm
     gate_up: Linear
@@ -59,8 +62,7 @@ class DirectLayer:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (
-            attn.qk_norm
-            or attn.output_gate
+            attn.output_gate
             or mlp.act is not F.silu
             or any(type(linear) is not Linear for linear in linears)
             or any(type(norm) is not RMSNorm for norm in norms)
@@ -70,6 +72,8 @@ class DirectLayer:
             module=layer,
             input_norm=layer.input_layernorm,
             qkv=attn.qkv_proj,
+            q_norm=attn.q_norm if attn.qk_norm else None,
+            k_norm=attn.k_norm if attn.qk_norm else None,
             o=attn.o_proj,
             post_norm=layer.post_attention_layernorm,
             gate_up=mlp.gate_up_proj,
@@ -110,6 +114,8 @@ class DirectLayer:
         normed = ops.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps)
         qkv = ops.skinny_linear(normed, self.qkv.skinny_weight, self.qkv.bias, self.qkv.out_features)
         qk = qkv[:, : self.qk_rows].view(tokens, self.qk_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         ops.rotary_embedding_(qk, cos, signed_sin)
         v = qkv[:, self.qk_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv_(qk[:, self.num_heads :], v, k_cache, v_cache, metadata.slot_mapping)

@@ -70,6 +70,8 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool) -> tuple[list[di
             {"config_overrides": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}},
             id="qwen2-bias-window",
         ),
+        # Per-head q/k norms, and a head size other than hidden_size // num_heads.
+        pytest.param("qwen3", {"head_dim": 32}, id="qwen3"),
     ],
 )
 def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch):
@@ -85,16 +87,9 @@ def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, pa
             assert torch.equal(got[seq], expected[seq]), f"step {number} {seq}"
 
 
-def test_layers_with_other_parts_keep_their_modules(checkpoints, paged_runner, monkeypatch):
-    """Qwen3's per-head q/k norms are not among the direct calls: its layers run as modules."""
-    model = load_model(checkpoints.get("qwen3", head_dim=32), torch.float32, "cpu").model
-    assert all(DirectLayer.of(layer) is None for layer in model.model.layers)
-    _, calls = _run(model, paged_runner, _steps(model.shared_modules().vocab_size)[:2], monkeypatch, direct=True)
-    assert calls == 0
-
-
 def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner, monkeypatch):
-    """A prompt of more queries than attention in place takes, a replaced layer, and autograd."""
+    """A prompt of more queries than attention in place takes, a replaced layer, autograd, and a
+    layer with an output gate (Qwen3-Next's attention)."""
     model = load_model(checkpoints.get("llama"), torch.float32, "cpu").model
     _, calls = _run(model, paged_runner, [{"a": list(range(20))}], monkeypatch, direct=True)
     assert calls == 0
@@ -112,3 +107,7 @@ def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner
     with torch.enable_grad():
         hidden = model(torch.tensor([1, 2, 3]), metadata.positions, runner.caches, metadata)
     assert hidden.shape == (3, 64)
+
+    gated = model.model.layers[0]
+    gated.self_attn.output_gate = True
+    assert DirectLayer.of(gated) is None
