@@ -13,7 +13,8 @@ weight not packed for them, attention not in place) runs its module instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,10 +166,26 @@ def run_layers(
     return hidden
 
 
+class _Switch:
+    """Blocks that run every layer through its modules (:func:`through_modules`)."""
+
+    off = 0
+
+
+@contextlib.contextmanager
+def through_modules() -> Iterator[None]:
+    """Run every layer through its modules inside the block (the step benchmark times both)."""
+    _Switch.off += 1
+    try:
+        yield
+    finally:
+        _Switch.off -= 1
+
+
 def _kernels_for(hidden: torch.Tensor, metadata: AttentionMetadata) -> Any:
     """The kernels when this step's layers may run directly: inference (no autograd), a
     contiguous ``[T, hidden]`` CPU input of a dtype the matmul kernel packs, attention in place."""
-    if torch.is_grad_enabled() or hidden.dim() != 2 or not hidden.is_contiguous():
+    if _Switch.off or torch.is_grad_enabled() or hidden.dim() != 2 or not hidden.is_contiguous():
         return None
     if hidden.dtype not in cpu_kernels.SKINNY_DTYPES or not attends_in_place(metadata):
         return None

@@ -1,10 +1,11 @@
 """Time one forward step of our model against transformers' forward with a ``DynamicCache``.
 
 Same checkpoint, same input, same thread count: ``C`` cached tokens, then a step of ``q`` new
-tokens (1 = a decode step, more = verifying drafts), logits included. Sonar runs twice, on its CPU
-kernels and on PyTorch's operators alone (a second copy of the model, loaded with the kernels off:
-what machines without a compiler get, oneDNN's packed weights included); the three alternate step
-by step so that background load hits all alike; medians are reported.
+tokens (1 = a decode step, more = verifying drafts), logits included. Sonar runs three ways: on its
+CPU kernels called directly (``sonar_core.layers.direct_layers``), on the same kernels through the
+layers' modules, and on PyTorch's operators alone (a second copy of the model, loaded with the
+kernels off: what machines without a compiler get, oneDNN's packed weights included); the four
+alternate step by step so that background load hits all alike; medians are reported.
 
     python -m sonar_core.models.step_benchmark --dtypes float32,bfloat16 --threads 2
 """
@@ -22,6 +23,7 @@ from sonar_core import cpu_kernels
 from sonar_core.cpu_features import cpu_model, kernel_flags
 from sonar_core.kv import allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.layers.direct_layers import through_modules
 from sonar_core.models.loader import load_model
 
 
@@ -37,9 +39,10 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def compare(
     model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int, batch: int = 1
-) -> list[tuple[int, float, float, float]]:
-    """``(q, ours_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for each step size ``q``,
-    for ``batch`` sequences of ``context`` cached tokens each taking ``q`` new tokens."""
+) -> list[tuple[int, float, float, float, float]]:
+    """``(q, ours_ms, ours_through_modules_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for
+    each step size ``q``, for ``batch`` sequences of ``context`` cached tokens each taking ``q`` new
+    tokens."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     loaded = load_model(model, dtype, "cpu")
@@ -79,11 +82,15 @@ def compare(
                 cache.crop(-q)  # back to `context` cached tokens
                 return logits
 
+            def ours_through_modules() -> torch.Tensor:
+                with through_modules():
+                    return ours_step()
+
             def ours_on_pytorch_ops() -> torch.Tensor:
                 with cpu_kernels.disabled():
                     return ours_step(model=ours_without_kernels)
 
-            steps = (ours_step, ours_on_pytorch_ops, theirs_step)
+            steps = (ours_step, ours_through_modules, ours_on_pytorch_ops, theirs_step)
             for _ in range(3):
                 for step in steps:
                     step()
@@ -114,10 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name in args.dtypes.split(","):
         rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters, args.batch)
-        for q, ours_ms, pytorch_ops_ms, theirs_ms in rows:
+        for q, ours_ms, modules_ms, pytorch_ops_ms, theirs_ms in rows:
             print(
-                f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   sonar on PyTorch ops {pytorch_ops_ms:8.2f} ms   "
-                f"transformers {theirs_ms:8.2f} ms   kernels {pytorch_ops_ms / ours_ms:.2f}x   "
+                f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   through modules {modules_ms:8.2f} ms   "
+                f"sonar on PyTorch ops {pytorch_ops_ms:8.2f} ms   transformers {theirs_ms:8.2f} ms   "
+                f"direct calls {modules_ms / ours_ms:.2f}x   kernels {pytorch_ops_ms / ours_ms:.2f}x   "
                 f"vs transformers {theirs_ms / ours_ms:.2f}x"
             )
 

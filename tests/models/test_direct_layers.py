@@ -3,13 +3,14 @@ bits as their modules, taken only where every kernel applies."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 from sonar_core import cpu_kernels
-from sonar_core.layers.direct_layers import DirectLayer
+from sonar_core.layers.direct_layers import DirectLayer, through_modules
 from sonar_core.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels unavailable: {cpu_kernels.problem()}")
@@ -51,10 +52,10 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool) -> tuple[list[di
         return forward(self, *args)
 
     runner = paged_runner(model, block_size=4)
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
         patch.setattr(DirectLayer, "forward", counted)
         if not direct:
-            patch.setattr(DirectLayer, "takes", lambda self, hidden, kv_cache: False)
+            stack.enter_context(through_modules())
         logits = [runner.step(new)[0] for new in steps]
     return logits, calls
 
