@@ -14,7 +14,7 @@ weight not packed for them, attention not in place) runs its module instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,6 @@ from sonar_core.layers.attention import AttentionMetadata, attends_in_place
 from sonar_core.layers.decoder import DecoderLayer
 from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
-from sonar_core.models.hidden_capture import HiddenStateCapture
 
 
 @dataclass(frozen=True)
@@ -146,11 +145,12 @@ def run_layers(
     signed_sin: torch.Tensor,
     kv_caches: Sequence[KVCache],
     metadata: AttentionMetadata,
-    capture: HiddenStateCapture | None,
+    record: Callable[[int, torch.Tensor], None] | None,
 ) -> torch.Tensor:
     """Run ``layers`` in turn (``direct[i]``: layer i's direct form, or None), each directly where
     the kernels take it and through its module otherwise; ``cos``/``signed_sin`` are the step's
-    ``[T, 1, rotary_dim]`` tables. ``capture`` records the state after each layer."""
+    ``[T, 1, rotary_dim]`` tables. ``record(k, state)`` gets the state after each ``k`` layers (a
+    hidden-state capture's)."""
     ops = _kernels_for(hidden, metadata)
     if ops is not None:
         tokens = cos.shape[0]
@@ -161,8 +161,8 @@ def run_layers(
             hidden = plan.forward(ops, hidden, flat_cos, flat_sin, kv_caches[index], metadata)
         else:
             hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
-        if capture is not None:
-            capture.record(index + 1, hidden)
+        if record is not None:
+            record(index + 1, hidden)
     return hidden
 
 
