@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -387,6 +388,22 @@ class PagedAttention(nn.Module):
         self.store(k, v, kv_cache, metadata.slot_mapping)
         return self.attend(q, kv_cache, metadata)
 
+    def attend_in_place(self, kernels: Any, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """:meth:`attend` on Sonar's kernel, for a step that attends in place (:func:`attends_in_place`)
+        with ``q`` of the caches' dtype, its last dimension contiguous."""
+        k_cache, v_cache = kv_cache
+        return kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            self.scale,
+            metadata.causal,
+            self.sliding_window or 0,
+        )
+
     def attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """Attend ``q`` ``[T, num_heads, head_dim]`` over the context already in ``kv_cache``, writing
         nothing: a layer that reads another layer's cache (KV sharing) queries it this way."""
@@ -396,17 +413,7 @@ class PagedAttention(nn.Module):
 
         kernels = cpu_kernels.for_tensor(q) if attends_in_place(metadata) else None
         if kernels is not None and q.stride(-1) == 1 and k_cache.dtype == q.dtype:
-            return kernels.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                metadata.query_start_loc,
-                self.scale,
-                metadata.causal,
-                window or 0,
-            )
+            return self.attend_in_place(kernels, q, kv_cache, metadata)
 
         if metadata.max_query_len > IN_PLACE_MAX_QUERIES:
             return self._attend_split(q, kv_cache, metadata)

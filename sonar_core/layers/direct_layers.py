@@ -24,7 +24,7 @@ from torch import nn
 
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache
-from sonar_core.layers.attention import AttentionMetadata, attends_in_place
+from sonar_core.layers.attention import AttentionMetadata, PagedAttention, attends_in_place
 from sonar_core.layers.decoder import DecoderLayer
 from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
@@ -50,8 +50,7 @@ class DirectLayer:
     qk_rows: int
     num_kv_heads: int
     head_dim: int
-    scale: float
-    window: int
+    attention: PagedAttention
 
     @classmethod
     def of(cls, layer: Any) -> DirectLayer | None:
@@ -83,8 +82,7 @@ class DirectLayer:
             qk_rows=attn.q_rows + attn.kv_rows,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
-            scale=attn.attn.scale,
-            window=attn.attn.sliding_window or 0,
+            attention=attn.attn,
         )
 
     def takes(self, hidden: torch.Tensor, kv_cache: KVCache) -> bool:
@@ -119,17 +117,7 @@ class DirectLayer:
         ops.rotary_embedding_(qk, cos, signed_sin)
         v = qkv[:, self.qk_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv_(qk[:, self.num_heads :], v, k_cache, v_cache, metadata.slot_mapping)
-        attended = ops.paged_attention(
-            qk[:, : self.num_heads],
-            k_cache,
-            v_cache,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
-            self.scale,
-            metadata.causal,
-            self.window,
-        )
+        attended = self.attention.attend_in_place(ops, qk[:, : self.num_heads], kv_cache, metadata)
         out = ops.skinny_linear(attended, self.o.skinny_weight, self.o.bias, self.o.out_features)
         normed, hidden = ops.add_rms_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
         gate_up = ops.skinny_linear(normed, self.gate_up.skinny_weight, self.gate_up.bias, self.gate_up.out_features)
