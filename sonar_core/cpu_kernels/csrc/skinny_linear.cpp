@@ -386,7 +386,7 @@ inline void amx_tile(const uint16_t* x, int64_t x_bytes, const uint16_t* w, int6
     if (t + kPrefetchTiles < input_tiles) {
       for (int j = 0; j < kBlocks; ++j) {
         const auto* ahead = reinterpret_cast<const char*>(wt + kPrefetchTiles * tile_weights + j * block_stride);
-        for (int64_t line = 0; line < tile_weights * 2; line += 64) prefetch(ahead + line);
+        for (int64_t line = 0; line < tile_weights * int64_t{sizeof(uint16_t)}; line += 64) prefetch(ahead + line);
       }
     }
     _tile_loadd(4, x + t * kAmxInputs, x_bytes);
