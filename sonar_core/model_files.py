@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sonar_core.hub import CHECKPOINT, FileSet, HubError, complete_snapshot, hub_snapshot, is_repo_id
 
@@ -44,6 +45,27 @@ def file_cache_key(path: Path, *also: str) -> str:
     ``path`` (and from anything else ``also`` names, such as the target a head is unpacked for)."""
     identity = json.dumps([file_identity(path), *also], sort_keys=True)
     return f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def cached_json(path: Path, compute: Callable[[], Any]) -> Any:
+    """The JSON value kept at ``path``, else ``compute()`` (written there atomically when it is
+    not None, for the next process). An unreadable entry is computed again; an unwritable cache
+    only costs the next process the same work."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    if value is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(value), encoding="utf-8")
+        os.replace(partial, path)
+    except OSError:
+        pass
+    return value
 
 
 def cached_folder(folder: Path, build: Callable[[Path], None], is_complete: Callable[[Path], bool]) -> Path:

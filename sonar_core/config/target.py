@@ -9,7 +9,6 @@ and loading agree on what a name means.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from sonar_core.config.quantization import checkpoint_quantization
 from sonar_core.errors import ConfigError
 from sonar_core.hub import CONFIG, HubError
-from sonar_core.model_files import cache_root, file_cache_key, resolve_model_path
+from sonar_core.model_files import cache_root, cached_json, file_cache_key, resolve_model_path
 
 # Keys under which configs state the longest sequence; when several exist the smallest wins.
 _LENGTH_KEYS = (
@@ -254,20 +253,8 @@ def _gguf_as_hf_config(path: Path) -> dict[str, Any]:
     50k-token vocabulary takes seconds (the gguf reader walks every token string), and every
     configuration check needs it, so the result is kept under ``$SONAR_CACHE_DIR/gguf-metadata``
     keyed by the file's path, size and modification time."""
-    cached = cache_root() / "gguf-metadata" / f"{file_cache_key(path)}.json"
-    try:
-        return json.loads(cached.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
-    config = _read_gguf_metadata(path)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f".{cached.name}.{os.getpid()}")
-        partial.write_text(json.dumps(config), encoding="utf-8")
-        os.replace(partial, cached)
-    except OSError:  # an unwritable cache only costs the next check the same seconds
-        pass
-    return config
+    entry = cache_root() / "gguf-metadata" / f"{file_cache_key(path)}.json"
+    return cached_json(entry, lambda: _read_gguf_metadata(path))
 
 
 def _read_gguf_metadata(path: Path) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from torch import nn
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.layers.direct_layers import DirectLayer, run_layers
+from sonar_core.models import hf_config_cache
 from sonar_core.models.hidden_capture import HiddenStateCapture
-from sonar_core.models.meta_build import on_meta_device
+from sonar_core.models.meta_build import materialize, on_meta_device
 from sonar_core.models.sharding import ShardRule
 
 
@@ -62,7 +63,7 @@ class CausalLM(nn.Module, ABC):
         """
         with on_meta_device():
             model = cls(hf_config)
-        model = model.to(dtype=dtype).to_empty(device=device)
+        model = materialize(model, dtype, device)
         model.tie_weights()
         return model.eval().requires_grad_(False)
 
@@ -70,9 +71,7 @@ class CausalLM(nn.Module, ABC):
     def read_hf_config(cls, model_dir: Path) -> Any:
         """The transformers config of a checkpoint folder of this class. Families whose model_type
         transformers does not know (their checkpoints name remote code) override it."""
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return hf_config_cache.read_hf_config(model_dir)
 
     def tie_weights(self) -> None:  # noqa: B027 - models without tied weights need nothing
         """Re-point tied parameters at each other (after a device move broke the sharing)."""

@@ -1,7 +1,7 @@
 """Building modules on the meta device, where weights are loaded afterwards.
 
 Every model, draft head and speculator is constructed this way (shapes only, no memory), then
-moved to its device with ``to_empty`` and filled from its checkpoint. Layers still run their
+given uninitialised memory on its device by :func:`materialize` and filled from its checkpoint. Layers still run their
 random initialisation in ``reset_parameters()``: on the meta device it sets nothing, yet the first
 ``normal_`` on a meta tensor imports ``torch._dynamo`` (1.36 s measured on a 2-core Xeon, the
 largest single cost of the engine's startup, for an embedding's init). So the init functions are
@@ -41,3 +41,18 @@ def on_meta_device() -> Iterator[None]:
     finally:
         for name, function in saved.items():
             setattr(nn.init, name, function)
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """``module`` (built on the meta device) with uninitialised storage on ``device``, its floating
+    point tensors in ``dtype``: what ``.to(dtype).to_empty(device)`` gives. Not through those:
+    ``to_empty`` allocates with ``empty_like``, which for a meta tensor runs torch's Python
+    reference implementation, and its first call imports sympy (about 0.7 s of the engine's start);
+    ``empty_strided`` allocates on the device directly. Tied parameters come back untied, as with
+    ``to_empty``."""
+
+    def allocate(tensor: torch.Tensor) -> torch.Tensor:
+        kind = dtype if tensor.is_floating_point() else tensor.dtype
+        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=kind, device=device)
+
+    return module._apply(allocate)

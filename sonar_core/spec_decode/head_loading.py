@@ -19,7 +19,7 @@ from torch import nn
 from sonar_core.errors import ConfigError
 from sonar_core.layers.linear import prepack_linears
 from sonar_core.models.base import TargetModules
-from sonar_core.models.meta_build import on_meta_device
+from sonar_core.models.meta_build import materialize, on_meta_device
 from sonar_core.models.weights import (
     CheckpointError,
     FusedMap,
@@ -79,7 +79,7 @@ def load_head_checkpoint(
     check_head_checkpoint(checkpoint, spec)
     with on_meta_device():
         head = spec.build(target)
-    head = head.to(dtype=dtype).to_empty(device=device)
+    head = materialize(head, dtype, device)
     try:
         load_named_weights(head, checkpoint.tensors(rename=spec.rename, include=spec.loads), spec.fused)
     except CheckpointError as exc:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar_core.errors import ConfigError
-from sonar_core.models.meta_build import on_meta_device
+from sonar_core.models.meta_build import materialize, on_meta_device
 from sonar_core.sample.processing import SamplingBatch
 from sonar_core.spec_decode.draft_checkpoint import FIELD, DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
@@ -53,7 +53,7 @@ def load_heads(
     """The first ``num_heads`` heads with their weights, and the token map (None: full vocabulary)."""
     with on_meta_device():
         heads = MedusaHeads(layout, num_heads)
-    heads = heads.to(dtype=dtype).to_empty(device=device)
+    heads = materialize(heads, dtype, device)
     tensors = dict(checkpoint.tensors(rename=MedusaLayout.rename))
     with torch.no_grad():
         for head in range(num_heads):

@@ -159,12 +159,12 @@ class MLPSpeculator(nn.Module):
 def load_speculator(
     checkpoint: DraftCheckpoint, layout: MLPSpeculatorLayout, dtype: torch.dtype, device: torch.device
 ) -> MLPSpeculator:
-    from sonar_core.models.meta_build import on_meta_device
+    from sonar_core.models.meta_build import materialize, on_meta_device
     from sonar_core.models.weights import load_named_weights
 
     with on_meta_device():
         speculator = MLPSpeculator(layout)
-    speculator = speculator.to(dtype=dtype).to_empty(device=device)
+    speculator = materialize(speculator, dtype, device)
     copies = set(layout.tied_copies())
     load_named_weights(
         speculator,

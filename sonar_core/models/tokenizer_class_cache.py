@@ -1,0 +1,89 @@
+"""The tokenizer class ``AutoTokenizer`` picks for a model folder, kept under
+``$SONAR_CACHE_DIR/tokenizer-class``.
+
+``AutoTokenizer`` decides the class from tokenizer_config.json and the model's config through
+transformers' model registry, whose first import scans the source of every model family it ships
+(about half a second of an engine's start on a 2-core machine). For checkpoints saved by current
+transformers, and for every GGUF file Sonar converts, the class it picks is a generic one that lives
+outside that registry (``TokenizersBackend``). So the first load records the class when loading it
+directly gives the same tokenizer (type, init arguments, Rust tokenizer and chat template compared),
+and later loads import and call it directly. Classes inside the registry, or from a repository's own
+code, are not recorded: loading them needs the registry (or the code) anyway.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from sonar_core.model_files import cache_root, cached_json, file_cache_key, file_identity
+
+# Bumped when what an entry holds changes, so that older entries are not read as new ones.
+_FORMAT = "1"
+
+
+def load_with_auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
+    """What ``AutoTokenizer.from_pretrained(model_dir, config=config)`` returns (offline), through
+    the recorded class when there is one for these files."""
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    picked: list[Any] = []
+
+    def resolve() -> dict[str, str] | None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), config=config, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        picked.append(tokenizer)
+        return _direct_entry(tokenizer, model_dir)
+
+    if not tokenizer_config.is_file():
+        resolve()
+        return picked[0]
+    entry = cached_json(entry_path(model_dir), resolve)
+    if picked:
+        return picked[0]
+    return _load_directly(entry, model_dir)
+
+
+def entry_path(model_dir: Path) -> Path:
+    """Where the entry for ``model_dir`` is kept: keyed by tokenizer_config.json and config.json
+    (their path, size and modification time; the config's model_type takes part in the choice)
+    and the transformers version."""
+    config = model_dir / "config.json"
+    config_identity = json.dumps(file_identity(config) if config.is_file() else None)
+    key = file_cache_key(model_dir / "tokenizer_config.json", config_identity, version("transformers"), _FORMAT)
+    return cache_root() / "tokenizer-class" / f"{key}.json"
+
+
+def _load_directly(entry: dict[str, str], model_dir: Path) -> Any:
+    tokenizer_class = getattr(importlib.import_module(entry["module"]), entry["name"])
+    return tokenizer_class.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _direct_entry(tokenizer: Any, model_dir: Path) -> dict[str, str] | None:
+    """The entry for the class of ``tokenizer`` when it is a generic transformers class and loading
+    it directly gives the same tokenizer; None otherwise."""
+    kind = type(tokenizer)
+    if not kind.__module__.startswith("transformers.") or kind.__module__.startswith("transformers.models."):
+        return None
+    entry = {"module": kind.__module__, "name": kind.__qualname__}
+    try:
+        direct = _load_directly(entry, model_dir)
+    except Exception:  # a class that cannot load these files alone is simply not recorded
+        return None
+    return entry if _same_tokenizer(tokenizer, direct) else None
+
+
+def _same_tokenizer(auto: Any, direct: Any) -> bool:
+    if type(auto) is not type(direct) or auto.init_kwargs != direct.init_kwargs:
+        return False
+    if getattr(auto, "chat_template", None) != getattr(direct, "chat_template", None):
+        return False
+    backend = getattr(auto, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return backend.to_str() == direct.backend_tokenizer.to_str()
