@@ -44,15 +44,14 @@ def on_meta_device() -> Iterator[None]:
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """``module`` (built on the meta device) with uninitialised storage on ``device``, its floating
-    point tensors in ``dtype``: what ``.to(dtype).to_empty(device)`` gives. Not through those:
-    ``to_empty`` allocates with ``empty_like``, which for a meta tensor runs torch's Python
+    """``module`` (built on the meta device) cast to ``dtype`` and given uninitialised storage on
+    ``device``: what ``.to(dtype).to_empty(device)`` gives, in the same two steps (a module that
+    keeps some tensors out of dtype casts, such as an MoE router, sees the same calls). Not through
+    ``to_empty``: it allocates with ``empty_like``, which for a meta tensor runs torch's Python
     reference implementation, and its first call imports sympy (about 0.7 s of the engine's start);
     ``empty_strided`` allocates on the device directly. Tied parameters come back untied, as with
     ``to_empty``."""
-
-    def allocate(tensor: torch.Tensor) -> torch.Tensor:
-        kind = dtype if tensor.is_floating_point() else tensor.dtype
-        return torch.empty_strided(tensor.size(), tensor.stride(), dtype=kind, device=device)
-
-    return module._apply(allocate)
+    module = module.to(dtype=dtype)
+    return module._apply(
+        lambda tensor: torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device)
+    )
