@@ -29,7 +29,9 @@ _FORMAT = "1"
 # Attributes a rebuild may lack or hold differently because Sonar never reads them: transformers'
 # own tensor-, pipeline- and expert-parallel plans (class-level, for its own model code), and the
 # per-layer view, which is a window onto the config itself (equal when the config is).
-_NOT_COMPARED = frozenset({"base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "per_layer_config"})
+_NOT_COMPARED = frozenset(
+    {"base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "per_layer_config"}
+)
 
 
 def read_hf_config(model_dir: Path) -> Any:
@@ -75,7 +77,8 @@ def rebuild(values: dict[str, Any]) -> Any:
 
     config = PreTrainedConfig(**values)
     for name, value in values.items():  # what the base class's __init__ drops (``use_cache``)
-        if name not in vars(config) and not isinstance(inspect.getattr_static(PreTrainedConfig, name, None), property):
+        is_property = isinstance(inspect.getattr_static(PreTrainedConfig, name, None), property)
+        if name not in vars(config) and not is_property:
             setattr(config, name, value)
     return config
 

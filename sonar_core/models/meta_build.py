@@ -1,11 +1,11 @@
 """Building modules on the meta device, where weights are loaded afterwards.
 
 Every model, draft head and speculator is constructed this way (shapes only, no memory), then
-given uninitialised memory on its device by :func:`materialize` and filled from its checkpoint. Layers still run their
-random initialisation in ``reset_parameters()``: on the meta device it sets nothing, yet the first
-``normal_`` on a meta tensor imports ``torch._dynamo`` (1.36 s measured on a 2-core Xeon, the
-largest single cost of the engine's startup, for an embedding's init). So the init functions are
-no-ops while the module is built.
+given uninitialised memory on its device by :func:`materialize` and filled from its checkpoint.
+Layers still run their random initialisation in ``reset_parameters()``: on the meta device it sets
+nothing, yet the first ``normal_`` on a meta tensor imports ``torch._dynamo`` (1.36 s measured on a
+2-core Xeon, the largest single cost of the engine's startup, for an embedding's init). So the init
+functions are no-ops while the module is built.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def entry_path(model_dir: Path) -> Path:
     and the transformers version."""
     config = model_dir / "config.json"
     config_identity = json.dumps(file_identity(config) if config.is_file() else None)
-    key = file_cache_key(model_dir / "tokenizer_config.json", config_identity, version("transformers"), _FORMAT)
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    key = file_cache_key(tokenizer_config, config_identity, version("transformers"), _FORMAT)
     return cache_root() / "tokenizer-class" / f"{key}.json"
 
 
