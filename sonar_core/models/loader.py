@@ -22,7 +22,6 @@ from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 from sonar_core.model_files import resolve_model_path
 from sonar_core.models.base import CausalLM
 from sonar_core.models.gguf import convert_gguf
-from sonar_core.models.hf_config_cache import is_rebuilt, read_with_auto_config
 from sonar_core.models.registry import get_model_class
 from sonar_core.models.sharding import shard_weights
 from sonar_core.models.tokenizer_class_cache import load_with_auto_tokenizer
@@ -149,8 +148,6 @@ def load_tokenizer(loaded_or_dir: LoadedModel | str | Path, *, trust_remote_code
         model_dir, hf_config = loaded_or_dir.model_dir, loaded_or_dir.hf_config
     else:
         model_dir, hf_config = Path(loaded_or_dir), _config_of_tokenizer_folder(Path(loaded_or_dir))
-    if hf_config is not None and is_rebuilt(hf_config) and _tokenizer_class_follows_config_class(model_dir):
-        hf_config = read_with_auto_config(model_dir)
     try:
         return load_with_auto_tokenizer(model_dir, hf_config, trust_remote_code)
     except ValueError as exc:
@@ -163,18 +160,6 @@ def load_tokenizer(loaded_or_dir: LoadedModel | str | Path, *, trust_remote_code
             "pass --trust-remote-code (trust_remote_code=True in Python) if you trust the repository's code, "
             "or use a tokenizer without custom code (--tokenizer)",
         ) from None
-
-
-def _tokenizer_class_follows_config_class(model_dir: Path) -> bool:
-    """Whether ``AutoTokenizer`` would pick the tokenizer by the model config's class: when
-    tokenizer_config.json names no class of its own, or names code (an ``auto_map``)."""
-    try:
-        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return True
-    if not isinstance(tokenizer_config, dict):
-        return True
-    return not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config
 
 
 def _config_of_tokenizer_folder(folder: Path) -> Any:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_core.model_files import cache_root, cached_json, file_cache_key, file_identity
+from sonar_core.models.hf_config_cache import is_rebuilt, read_with_auto_config
 
 # Bumped when what an entry holds changes, so that older entries are not read as new ones.
 _FORMAT = "1"
@@ -28,25 +29,40 @@ _FORMAT = "1"
 def load_with_auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
     """What ``AutoTokenizer.from_pretrained(model_dir, config=config)`` returns (offline), through
     the recorded class when there is one for these files."""
-    tokenizer_config = model_dir / "tokenizer_config.json"
+    if not (model_dir / "tokenizer_config.json").is_file():
+        return _auto_tokenizer(model_dir, config, trust_remote_code)
     picked: list[Any] = []
 
     def resolve() -> dict[str, str] | None:
-        from transformers import AutoTokenizer
+        picked.append(_auto_tokenizer(model_dir, config, trust_remote_code))
+        return _direct_entry(picked[0], model_dir)
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(model_dir), config=config, local_files_only=True, trust_remote_code=trust_remote_code
-        )
-        picked.append(tokenizer)
-        return _direct_entry(tokenizer, model_dir)
-
-    if not tokenizer_config.is_file():
-        resolve()
-        return picked[0]
     entry = cached_json(entry_path(model_dir), resolve)
-    if picked:
-        return picked[0]
-    return _load_directly(entry, model_dir)
+    return picked[0] if picked else _load_directly(entry, model_dir)
+
+
+def _auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
+    """``AutoTokenizer`` itself. Where it picks the class by the config's class, a config rebuilt
+    from the cache (a base-class config) is replaced by the family's own."""
+    from transformers import AutoTokenizer
+
+    if config is not None and is_rebuilt(config) and _class_follows_config_class(model_dir):
+        config = read_with_auto_config(model_dir)
+    return AutoTokenizer.from_pretrained(
+        str(model_dir), config=config, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+
+
+def _class_follows_config_class(model_dir: Path) -> bool:
+    """Whether ``AutoTokenizer`` picks the tokenizer by the model config's class: when
+    tokenizer_config.json names no class of its own, or names code (an ``auto_map``)."""
+    try:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    if not isinstance(tokenizer_config, dict):
+        return True
+    return not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config
 
 
 def entry_path(model_dir: Path) -> Path:
