@@ -50,13 +50,15 @@ def test_matches_the_exact_product(dtype, rows, shape, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_each_row_gets_the_same_bits_whatever_else_is_in_the_call(dtype):
-    """Verification of k drafts then equals decoding them one at a time, bit for bit."""
+@pytest.mark.parametrize("rows", [2, 3, 4, 11])
+def test_each_row_gets_the_same_bits_whatever_else_is_in_the_call(dtype, rows):
+    """Verification of k drafts then equals decoding them one at a time, bit for bit (two, three
+    and four rows each take a register tile of their own)."""
     weight = _random(200, 96, dtype=dtype, seed=4)
     packed = ops.pack_linear_weight(weight)
-    x = _random(11, 96, dtype=dtype, seed=5)
+    x = _random(rows, 96, dtype=dtype, seed=5)
     together = ops.skinny_linear(x, packed, None, 200)
-    one_by_one = torch.cat([ops.skinny_linear(x[i : i + 1], packed, None, 200) for i in range(11)])
+    one_by_one = torch.cat([ops.skinny_linear(x[i : i + 1], packed, None, 200) for i in range(rows)])
     assert torch.equal(together, one_by_one)
     reversed_rows = ops.skinny_linear(x.flip(0), packed, None, 200).flip(0)
     assert torch.equal(together, reversed_rows)
