@@ -9,12 +9,16 @@ Qwen2, Qwen3 and MiMo, SiLU, no output gate, on one rank) take the same kernels 
 arguments in the same order as their modules would, so the output is the same bits; a
 step or layer the kernels do not take (autograd, a dtype or row count they are not built for, a
 weight not packed for them, attention not in place) runs its module instead.
+
+Consecutive direct layers without per-head q/k norms run as one call of the ``decoder_layers``
+kernel (``csrc/decoder_layers.cpp``), the same kernel calls looped in C++; a run ends where a
+hidden-state capture records a layer's output.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,32 +89,38 @@ class DirectLayer:
             attention=attn.attn,
         )
 
-    def takes(self, hidden: torch.Tensor, kv_cache: KVCache) -> bool:
-        """Whether every call of this layer takes the kernel for ``hidden``, as its modules would
-        decide."""
+    @property
+    def stackable(self) -> bool:
+        """Whether the ``decoder_layers`` kernel runs this layer (it has no per-head q/k norms)."""
+        return self.q_norm is None
+
+    def packed_weights(self, hidden: torch.Tensor, kv_cache: KVCache) -> PackedWeights | None:
+        """The packed weights of the four projections when every call of this layer takes the
+        kernel for ``hidden``, as its modules would decide; None otherwise."""
         rows, dtype = hidden.shape[0], hidden.dtype
-        return (
-            all(linear.skinny_for(rows, dtype) is not None for linear in (self.qkv, self.o, self.gate_up, self.down))
-            and self.input_norm.weight.dtype == dtype
-            and self.post_norm.weight.dtype == dtype
-            and kv_cache[0].dtype == dtype
-        )
+        if not (self.input_norm.weight.dtype == self.post_norm.weight.dtype == kv_cache[0].dtype == dtype):
+            return None
+        packed = tuple(linear.skinny_for(rows, dtype) for linear in (self.qkv, self.o, self.gate_up, self.down))
+        return None if None in packed else packed  # type: ignore[return-value]
 
     def forward(
         self,
         ops: Any,
+        packed: PackedWeights,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """The layer's output for ``hidden`` ``[T, hidden_size]`` (contiguous); ``cos`` and
-        ``signed_sin`` are the step's rotary tables as ``[T, rotary_dim]``."""
+        """The layer's output for ``hidden`` ``[T, hidden_size]`` (contiguous); ``packed`` is
+        :meth:`packed_weights`' answer, ``cos`` and ``signed_sin`` are the step's rotary tables
+        as ``[T, rotary_dim]``."""
         tokens = hidden.shape[0]
         k_cache, v_cache = kv_cache
+        qkv_weight, o_weight, gate_up_weight, down_weight = packed
         normed = ops.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps)
-        qkv = ops.skinny_linear(normed, self.qkv.skinny_weight, self.qkv.bias, self.qkv.out_features)
+        qkv = ops.skinny_linear(normed, qkv_weight, self.qkv.bias, self.qkv.out_features)
         qk = qkv[:, : self.qk_rows].view(tokens, self.qk_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
@@ -118,11 +128,56 @@ class DirectLayer:
         v = qkv[:, self.qk_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv_(qk[:, self.num_heads :], v, k_cache, v_cache, metadata.slot_mapping)
         attended = self.attention.attend_in_place(ops, qk[:, : self.num_heads], kv_cache, metadata)
-        out = ops.skinny_linear(attended, self.o.skinny_weight, self.o.bias, self.o.out_features)
+        out = ops.skinny_linear(attended, o_weight, self.o.bias, self.o.out_features)
         normed, hidden = ops.add_rms_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
-        gate_up = ops.skinny_linear(normed, self.gate_up.skinny_weight, self.gate_up.bias, self.gate_up.out_features)
-        down = ops.skinny_linear(ops.silu_and_mul(gate_up), self.down.skinny_weight, self.down.bias, self.down.out_features)
+        gate_up = ops.skinny_linear(normed, gate_up_weight, self.gate_up.bias, self.gate_up.out_features)
+        down = ops.skinny_linear(ops.silu_and_mul(gate_up), down_weight, self.down.bias, self.down.out_features)
         return hidden + down
+
+    def stack_entries(self, packed: PackedWeights, kv_cache: KVCache) -> StackEntries:
+        """This layer's entries in the ``decoder_layers`` kernel's lists (see its source)."""
+        qkv_weight, o_weight, gate_up_weight, down_weight = packed
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        return (
+            [self.input_norm.weight, qkv_weight, o_weight, self.post_norm.weight, gate_up_weight, down_weight],
+            [linear.bias for linear in linears],
+            list(kv_cache),
+            [self.num_heads, self.num_kv_heads, self.head_dim, self.attention.sliding_window or 0]
+            + [linear.out_features for linear in linears],
+            [self.input_norm.eps, self.post_norm.eps, self.attention.scale],
+        )
+
+
+# The packed weights of a layer's qkv, o, gate_up and down projections.
+PackedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# A layer's share of the decoder_layers kernel's lists: weights, biases, caches, ints, floats.
+StackEntries = tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor], list[int], list[float]]
+
+
+def run_stack(
+    ops: Any,
+    entries: Sequence[StackEntries],
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Consecutive stackable layers (their :meth:`DirectLayer.stack_entries`) in one kernel call."""
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    caches: list[torch.Tensor] = []
+    ints: list[int] = []
+    floats: list[float] = []
+    for layer_weights, layer_biases, layer_caches, layer_ints, layer_floats in entries:
+        weights += layer_weights
+        biases += layer_biases
+        caches += layer_caches
+        ints += layer_ints
+        floats += layer_floats
+    return ops.decoder_layers(
+        hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, metadata.slot_mapping, metadata.causal,
+    )
 
 
 def run_layers(
@@ -134,22 +189,37 @@ def run_layers(
     kv_caches: Sequence[KVCache],
     metadata: AttentionMetadata,
     record: Callable[[int, torch.Tensor], None] | None,
+    recorded: Collection[int] = (),
 ) -> torch.Tensor:
     """Run ``layers`` in turn (``direct[i]``: layer i's direct form, or None), each directly where
-    the kernels take it and through its module otherwise; ``cos``/``signed_sin`` are the step's
-    ``[T, 1, rotary_dim]`` tables. ``record(k, state)`` gets the state after each ``k`` layers (a
-    hidden-state capture's)."""
+    the kernels take it and through its module otherwise, consecutive stackable ones in one kernel
+    call; ``cos``/``signed_sin`` are the step's ``[T, 1, rotary_dim]`` tables. ``record(k, state)``
+    gets the state after ``k`` layers for every ``k`` in ``recorded`` (a hidden-state capture's)."""
     ops = _kernels_for(hidden, metadata)
     if ops is not None:
         tokens = cos.shape[0]
         flat_cos, flat_sin = cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
+    stack: list[StackEntries] = []
     for index, layer in enumerate(layers):
         plan = direct[index]
-        if ops is not None and plan is not None and plan.module is layer and plan.takes(hidden, kv_caches[index]):
-            hidden = plan.forward(ops, hidden, flat_cos, flat_sin, kv_caches[index], metadata)
+        packed = None
+        if ops is not None and plan is not None and plan.module is layer:
+            packed = plan.packed_weights(hidden, kv_caches[index])
+        if packed is not None and plan is not None and plan.stackable:
+            stack.append(plan.stack_entries(packed, kv_caches[index]))
+            if index + 1 < len(layers) and index + 1 not in recorded:
+                continue  # the run goes on
+            hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata)
+            stack = []
         else:
-            hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
-        if record is not None:
+            if stack:
+                hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata)
+                stack = []
+            if packed is not None and plan is not None:
+                hidden = plan.forward(ops, packed, hidden, flat_cos, flat_sin, kv_caches[index], metadata)
+            else:
+                hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
+        if record is not None and index + 1 in recorded:
             record(index + 1, hidden)
     return hidden
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sonar_core import cpu_kernels
+from sonar_core.layers import direct_layers
 from sonar_core.layers.direct_layers import DirectLayer, through_modules
 from sonar_core.models.loader import load_model
 
@@ -41,23 +42,44 @@ def _in_place(new: dict[str, list[int]]) -> bool:
     return longest == 1 or (longest <= 8 and cpu_kernels.attention_shares_keys())
 
 
-def _run(model, paged_runner, steps, monkeypatch, direct: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Logits of every step, and how many layer calls ran directly."""
-    calls = 0
-    forward = DirectLayer.forward
+class _Counts:
+    """Layer calls that ran directly: one by one, and inside ``decoder_layers`` kernel calls."""
 
-    def counted(self, *args):
-        nonlocal calls
-        calls += 1
+    def __init__(self) -> None:
+        self.single = self.stacked = self.stacks = 0
+
+    @property
+    def layers(self) -> int:
+        return self.single + self.stacked
+
+
+def _counting(patch: pytest.MonkeyPatch) -> _Counts:
+    counts = _Counts()
+    forward, run_stack = DirectLayer.forward, direct_layers.run_stack
+
+    def counted_forward(self, *args):
+        counts.single += 1
         return forward(self, *args)
 
+    def counted_stack(ops, entries, *args):
+        counts.stacked += len(entries)
+        counts.stacks += 1
+        return run_stack(ops, entries, *args)
+
+    patch.setattr(DirectLayer, "forward", counted_forward)
+    patch.setattr(direct_layers, "run_stack", counted_stack)
+    return counts
+
+
+def _run(model, paged_runner, steps, monkeypatch, direct: bool, capture_layers=()):
+    """Logits and captured states of every step, and the direct layer calls' counts."""
     runner = paged_runner(model, block_size=4)
     with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
-        patch.setattr(DirectLayer, "forward", counted)
+        counts = _counting(patch)
         if not direct:
             stack.enter_context(through_modules())
-        logits = [runner.step(new)[0] for new in steps]
-    return logits, calls
+        outputs = [runner.step(new, capture_layers=capture_layers) for new in steps]
+    return [logits for logits, _ in outputs], [states for _, states in outputs], counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -76,35 +98,58 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool) -> tuple[list[di
     ],
 )
 def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch):
-    model = load_model(checkpoints.get(arch, **extra), dtype, "cpu").model
+    model = load_model(checkpoints.get(arch, num_layers=3, **extra), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
-    direct, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
-    modules, module_calls = _run(model, paged_runner, steps, monkeypatch, direct=False)
-    assert module_calls == 0
+    direct, _, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
+    modules, _, module_calls = _run(model, paged_runner, steps, monkeypatch, direct=False)
+    assert module_calls.layers == 0
     # Never the prefill's layers: its 11-token prompt is more queries than attention in place takes.
-    assert direct_calls == sum(map(_in_place, steps)) * model.num_layers > 0
+    direct_steps = sum(map(_in_place, steps))
+    assert direct_calls.layers == direct_steps * model.num_layers > 0
+    # Layers without per-head q/k norms run as one kernel call per step.
+    stacked = arch != "qwen3"
+    assert (direct_calls.stacks, direct_calls.single) == ((direct_steps, 0) if stacked else (0, direct_calls.layers))
     for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
         for seq in expected:
             assert torch.equal(got[seq], expected[seq]), f"step {number} {seq}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_capture_splits_the_stack_and_records_the_modules_states(dtype, checkpoints, paged_runner, monkeypatch):
+    """EAGLE-3 reads states after chosen layers: the kernel call ends at each of them."""
+    model = load_model(checkpoints.get("llama", num_layers=4), dtype, "cpu").model
+    steps = _steps(model.shared_modules().vocab_size)
+    capture = (0, 1, 3)
+    direct, direct_states, counts = _run(model, paged_runner, steps, monkeypatch, direct=True, capture_layers=capture)
+    modules, module_states, _ = _run(model, paged_runner, steps, monkeypatch, direct=False, capture_layers=capture)
+    # Per direct step: layers 1 | 2-3 | 4, three kernel calls.
+    assert counts.stacks == 3 * sum(map(_in_place, steps)) > 0
+    for number, (got, expected) in enumerate(zip(direct_states, module_states, strict=True)):
+        for layer in capture:
+            for seq in expected[layer]:
+                assert torch.equal(got[layer][seq], expected[layer][seq]), f"step {number} layer {layer} {seq}"
+    for got, expected in zip(direct, modules, strict=True):
+        assert all(torch.equal(got[seq], expected[seq]) for seq in expected)
+
+
 def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner, monkeypatch):
     """A prompt of more queries than attention in place takes, a replaced layer, autograd, and a
     layer with an output gate (Qwen3-Next's attention)."""
-    model = load_model(checkpoints.get("llama"), torch.float32, "cpu").model
-    _, calls = _run(model, paged_runner, [{"a": list(range(20))}], monkeypatch, direct=True)
-    assert calls == 0
+    model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
+    _, _, calls = _run(model, paged_runner, [{"a": list(range(20))}], monkeypatch, direct=True)
+    assert calls.layers == 0
 
     runner = paged_runner(model, block_size=4)
     model._direct_layers()[0] = DirectLayer.of(model.model.layers[1])  # stale: not the layer it stands for
-    _, calls = _run(model, paged_runner, [{"a": [1]}], monkeypatch, direct=True)
-    assert calls == model.num_layers - 1
+    _, _, calls = _run(model, paged_runner, [{"a": [1]}], monkeypatch, direct=True)
+    assert (calls.layers, calls.stacks) == (model.num_layers - 1, 1)
 
     def refuse(*args):
         raise AssertionError("a layer ran directly under autograd")
 
     metadata = runner.metadata({"a": [1, 2, 3]})
     monkeypatch.setattr(DirectLayer, "forward", refuse)
+    monkeypatch.setattr(direct_layers, "run_stack", refuse)
     with torch.enable_grad():
         hidden = model(torch.tensor([1, 2, 3]), metadata.positions, runner.caches, metadata)
     assert hidden.shape == (3, 64)
