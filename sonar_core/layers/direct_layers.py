@@ -101,7 +101,8 @@ class DirectLayer:
         if not (self.input_norm.weight.dtype == self.post_norm.weight.dtype == kv_cache[0].dtype == dtype):
             return None
         packed = tuple(linear.skinny_for(rows, dtype) for linear in (self.qkv, self.o, self.gate_up, self.down))
-        return None if None in packed else packed  # type: ignore[return-value]
+        # Identity tests: ``None in packed`` would compare tensors with None, which costs an exception each.
+        return None if any(weight is None for weight in packed) else packed  # type: ignore[return-value]
 
     def forward(
         self,
