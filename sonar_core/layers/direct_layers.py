@@ -59,8 +59,13 @@ class DirectLayer:
     @classmethod
     def of(cls, layer: Any) -> DirectLayer | None:
         """The direct form of ``layer``, or None for a layer the kernels cannot run alone."""
-        if type(layer) is not DecoderLayer:
-            return None
+        return cls.of_modules(layer) if type(layer) is DecoderLayer else None
+
+    @classmethod
+    def of_modules(cls, layer: DecoderLayer) -> DirectLayer | None:
+        """The kernel form of a decoder layer's modules, whatever its ``forward`` (a subclass that
+        wires them differently calls the kernels itself, as EAGLE-3's first draft layer does);
+        None where a module is not one the kernels run."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -162,8 +167,11 @@ def run_stack(
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
     metadata: AttentionMetadata,
+    attention_input: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Consecutive stackable layers (their :meth:`DirectLayer.stack_entries`) in one kernel call."""
+    """Consecutive stackable layers (their :meth:`DirectLayer.stack_entries`) in one kernel call;
+    with ``attention_input``, the first layer's attention reads it in place of its input norm of
+    ``hidden``."""
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     caches: list[torch.Tensor] = []
@@ -177,8 +185,32 @@ def run_stack(
         floats += layer_floats
     return ops.decoder_layers(
         hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, metadata.slot_mapping, metadata.causal,
+        metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input,
     )
+
+
+def run_with_attention_input(
+    plan: DirectLayer,
+    attention_input: torch.Tensor,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+) -> torch.Tensor | None:
+    """``hidden + attn(attention_input)`` then ``h + mlp(norm(h))`` through the modules of ``plan``
+    in one kernel call, or None where the kernels do not take this step (the caller then runs the
+    modules). ``cos``/``signed_sin``: ``[T, 1, rotary_dim]``."""
+    ops = _kernels_for(hidden, metadata)
+    if ops is None or not plan.stackable or not attention_input.is_contiguous():
+        return None
+    packed = plan.packed_weights(hidden, kv_cache)
+    if packed is None or attention_input.dtype != hidden.dtype:
+        return None
+    tokens = cos.shape[0]
+    entries = [plan.stack_entries(packed, kv_cache)]
+    flat_cos, flat_sin = cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
+    return run_stack(ops, entries, hidden, flat_cos, flat_sin, metadata, attention_input)
 
 
 def run_layers(

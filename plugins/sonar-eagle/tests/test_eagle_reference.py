@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from sonar_eagle import heads
 
 from aphrodite import LLM, SamplingParams
+from sonar_core import cpu_kernels
+from sonar_core.layers import direct_layers
 from sonar_core.testing.reference_ops import causal_self_attention, gated_mlp, rms_norm
 
 PROMPTS = [[5, 9, 12, 40, 7] * 6, [100, 3, 3, 8], list(range(20, 61)), [7] * 3 + list(range(300, 330))]
@@ -172,3 +175,35 @@ def test_chunked_and_whole_prefill_draft_the_same(target, make_head):
         return sorted((tuple(tokens), tuple(d)) for tokens, _, d, _ in records)
 
     assert drafts() == drafts(max_num_batched_tokens=8, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_first_layer_drafts_the_same_through_one_kernel_call(dtype, target, make_head, monkeypatch):
+    """EAGLE-3's first layer runs its attention and MLP as one ``decoder_layers`` call where the
+    kernels take the step, and drafts what its modules draft, bit for bit."""
+    if cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.problem()}")
+    head = make_head(target, **CASES["eagle3-two-layers-norm-switches"])
+    kernel_calls = 0
+    run = direct_layers.run_with_attention_input
+
+    def counted(*args):
+        nonlocal kernel_calls
+        out = run(*args)
+        kernel_calls += out is not None
+        return out
+
+    monkeypatch.setattr(heads, "run_with_attention_input", counted)
+
+    def drafts():
+        llm = LLM(model=str(target), dtype=dtype, device="cpu",
+                  speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+        records = _record(llm)
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        return [(tuple(tokens), tuple(d)) for tokens, _, d, _ in records]
+
+    direct = drafts()
+    assert kernel_calls > 0
+    with direct_layers.through_modules():
+        modules = drafts()
+    assert direct == modules

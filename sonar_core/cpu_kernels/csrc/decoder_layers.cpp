@@ -17,6 +17,9 @@
 //   ints[8 l ..]:    num_heads, num_kv_heads, head_dim, sliding window (0: none), and the four
 //                    projections' output features;
 //   floats[3 l ..]:  input norm eps, post-attention norm eps, attention scale.
+// With attention_input, the first layer's attention reads it instead of the input norm of hidden
+// (whose weight is then not read): EAGLE-3's first draft layer attends over its embedding and the
+// target's state side by side while its residual stream is the state alone.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -69,7 +72,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
                           at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                           at::TensorList caches, at::IntArrayRef ints, at::ArrayRef<double> floats,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start_loc, const at::Tensor& slot_mapping, bool causal) {
+                          const at::Tensor& query_start_loc, const at::Tensor& slot_mapping, bool causal,
+                          const std::optional<at::Tensor>& attention_input) {
   const auto layers = static_cast<int64_t>(weights.size()) / kWeights;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kWeights &&
                   static_cast<int64_t>(biases.size()) == layers * kBiases &&
@@ -90,7 +94,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
     const at::Tensor& k_cache = caches[l * kCaches];
     const at::Tensor& v_cache = caches[l * kCaches + 1];
 
-    const at::Tensor normed = k.rms_norm.call(hidden, w[0], f[0]);
+    const at::Tensor normed =
+        l == 0 && attention_input.has_value() ? *attention_input : k.rms_norm.call(hidden, w[0], f[0]);
     const at::Tensor qkv = k.skinny_linear.call(normed, w[1], biases.get(l * kBiases), n[4]);
     const at::Tensor qk = qkv.narrow(1, 0, qk_rows).view({tokens, num_heads + num_kv_heads, head_dim});
     k.rotary_embedding.call(qk, cos, signed_sin);
@@ -113,7 +118,7 @@ TORCH_LIBRARY_FRAGMENT(sonar, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] weights, Tensor?[] biases, "
       "Tensor(a!)[] caches, int[] ints, float[] floats, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor slot_mapping, bool causal) -> Tensor");
+      "Tensor slot_mapping, bool causal, Tensor? attention_input=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonar, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -22,6 +22,7 @@ from sonar_core.layers import (
     RotaryEmbedding,
     SelfAttention,
 )
+from sonar_core.layers.direct_layers import DirectLayer, run_with_attention_input
 from sonar_core.layers.linear import Linear
 from sonar_core.models.base import TargetModules
 from sonar_core.spec_decode.chain_proposer import ChainDraftHead
@@ -113,8 +114,20 @@ class Eagle3FirstLayer(DecoderLayer):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         z = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
+        # A draft pass is a handful of small matmuls: one kernel call runs the rest of the layer.
+        plan = self._direct_form()
+        if plan is not None:
+            out = run_with_attention_input(plan, z, residual, cos, sin, kv_cache, metadata)
+            if out is not None:
+                return out
         y = residual + self.self_attn(z, cos, sin, kv_cache, metadata)
         return y + self.mlp(self.post_attention_layernorm(y))
+
+    def _direct_form(self) -> DirectLayer | None:
+        """This layer's modules as the kernels run them (made on first use; None where they cannot)."""
+        if "_direct" not in self.__dict__:
+            self.__dict__["_direct"] = DirectLayer.of_modules(self)
+        return self.__dict__["_direct"]
 
 
 class Eagle3Head(_EagleHead):
