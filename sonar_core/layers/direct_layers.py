@@ -207,10 +207,8 @@ def run_with_attention_input(
     packed = plan.packed_weights(hidden, kv_cache)
     if packed is None or attention_input.dtype != hidden.dtype:
         return None
-    tokens = cos.shape[0]
     entries = [plan.stack_entries(packed, kv_cache)]
-    flat_cos, flat_sin = cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
-    return run_stack(ops, entries, hidden, flat_cos, flat_sin, metadata, attention_input)
+    return run_stack(ops, entries, hidden, *_flat_tables(cos, signed_sin), metadata, attention_input)
 
 
 def run_layers(
@@ -230,8 +228,7 @@ def run_layers(
     gets the state after ``k`` layers for every ``k`` in ``recorded`` (a hidden-state capture's)."""
     ops = _kernels_for(hidden, metadata)
     if ops is not None:
-        tokens = cos.shape[0]
-        flat_cos, flat_sin = cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
+        flat_cos, flat_sin = _flat_tables(cos, signed_sin)
     stack: list[StackEntries] = []
     for index, layer in enumerate(layers):
         plan = direct[index]
@@ -271,6 +268,12 @@ def through_modules() -> Iterator[None]:
         yield
     finally:
         _Switch.off -= 1
+
+
+def _flat_tables(cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's ``[T, 1, rotary_dim]`` rotary tables as the kernels read them, ``[T, rotary_dim]``."""
+    tokens = cos.shape[0]
+    return cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
 
 
 def _kernels_for(hidden: torch.Tensor, metadata: AttentionMetadata) -> Any:
