@@ -37,7 +37,10 @@ def cpu_prepack_available(dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
-    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+    # oneDNN reorders a weight only where the CPU converts that dtype in hardware (bf16: AVX-512;
+    # fp16: AVX-512 FP16 or AVX-NE-CONVERT); on an AVX2-only CPU the fp16 reorder raises.
+    supported = ops._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else ops._is_mkldnn_fp16_supported
+    return bool(supported())
 
 
 # The most rows for which the skinny kernel stays ahead of the library's matmul, by the code path
