@@ -17,6 +17,7 @@ packed copy, and a weight changed in place is packed again on its next use.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -49,12 +50,21 @@ def cpu_prepack_available(dtype: torch.dtype) -> bool:
 # 512 rows, the AVX512-BF16 vector path led oneDNN without AMX up to 128, float32 on AVX-512 led MKL
 # up to 64 and on AVX2 up to 32. The portable C++ loops are not used.
 SKINNY_ROWS = {"amx": 512, "avx512_bf16": 128, "avx512": 64, "avx2": 32, "generic": 0}
+# Paths where the kernel takes bfloat16 calls of any size, prefill included: on an AVX2 CPU the
+# library converts bfloat16 in software and was 7-9x slower than the kernel from 8 to 256 rows
+# (AMD EPYC, SmolLM2's projections; at 256 rows the kernel's bfloat16 matched MKL's float32).
+WHOLE_BF16_PATHS = frozenset({"avx2"})
 
 
 def skinny_rows_limit(dtype: torch.dtype) -> int:
     """The most rows for which :class:`Linear` takes the skinny kernel on this CPU (0: never)."""
     ops = cpu_kernels.load() if dtype in cpu_kernels.SKINNY_DTYPES else None
-    return 0 if ops is None else SKINNY_ROWS.get(ops.skinny_linear_path(dtype), 0)
+    if ops is None:
+        return 0
+    path = ops.skinny_linear_path(dtype)
+    if dtype == torch.bfloat16 and path in WHOLE_BF16_PATHS:
+        return sys.maxsize
+    return SKINNY_ROWS.get(path, 0)
 
 
 class Linear(nn.Linear):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sonar_core import cpu_kernels
 from sonar_core.cpu_features import cpu_flags
-from sonar_core.layers.linear import Linear, pack_skinny, prepack_linears, skinny_rows_limit
+from sonar_core.layers.linear import WHOLE_BF16_PATHS, Linear, pack_skinny, prepack_linears, skinny_rows_limit
 
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.problem()}")
@@ -89,18 +89,22 @@ def test_linear_takes_the_kernel_up_to_its_row_limit_and_the_library_above(dtype
     prepack_linears(layer)
     limit = skinny_rows_limit(dtype)
     assert layer.skinny_weight is not None and layer.skinny_rows == limit > 0
+    whole = dtype == torch.bfloat16 and ops.skinny_linear_path(dtype) in WHOLE_BF16_PATHS
+    assert whole == (limit == sys.maxsize)
+    # Where the kernel takes every size, a prefill-sized call stands in for "above the limit".
+    sizes = (1, 600, 601) if whole else (1, limit, limit + 1)
     calls = []
     kernel = ops.skinny_linear
     monkeypatch.setattr(ops, "skinny_linear", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
     with torch.inference_mode():
-        for rows in (1, limit, limit + 1):
+        for rows in sizes:
             x = _random(rows, 64, dtype=dtype, seed=rows)
             expected = F.linear(x, layer.weight, layer.bias)
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(layer(x), expected, rtol=tolerance, atol=tolerance)
         # a [batch, tokens, features] input is flattened to rows
         assert layer(_random(1, 3, 64, dtype=dtype)).shape == (1, 3, 48)
-    assert calls == [1, limit, 3]
+    assert calls == ([1, 600, 601, 3] if whole else [1, limit, 3])
 
 
 def test_training_keeps_the_library_path_and_moving_drops_the_pack():
