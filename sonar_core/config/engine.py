@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 from sonar_core.config.json_value import parse_json_object
 from sonar_core.config.speculative import SpeculativeConfig
 from sonar_core.config.validation_errors import config_error_from_validation
-from sonar_core.cpu_features import native_bf16
+from sonar_core.cpu_features import fast_bf16
 from sonar_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -250,14 +250,14 @@ class EngineConfig(BaseModel):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_dtype(self) -> str:
-        """The dtype name: ``auto`` becomes bfloat16 on CUDA and on a CPU that multiplies bfloat16
-        in hardware (AVX-512 BF16 or AMX, where it decodes faster than float32:
-        docs/performance.md), float32 on other CPUs (AVX2, where bfloat16 is converted in software)."""
+        """The dtype name: ``auto`` becomes bfloat16 on CUDA and on a CPU where it decodes faster
+        than float32 (AVX-512 BF16 or AMX natively, AVX2 + FMA widening it in registers:
+        docs/performance.md), float32 on other CPUs."""
         if self.dtype != "auto":
             return self.dtype
         if self.resolved_device().startswith("cuda"):
             return "bfloat16"
-        return "bfloat16" if native_bf16() else "float32"
+        return "bfloat16" if fast_bf16() else "float32"
 
     def torch_device(self) -> torch.device:
         import torch

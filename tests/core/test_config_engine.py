@@ -188,11 +188,21 @@ def test_model_that_does_not_exist(tmp_path):
     assert "local folder" in info.value.fix
 
 
-@pytest.mark.parametrize(("native", "expected"), [(True, "bfloat16"), (False, "float32")])
-def test_auto_dtype_on_the_cpu_follows_native_bfloat16(monkeypatch, native, expected):
-    """bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX), float32 elsewhere."""
-    from sonar_core.config import engine as engine_module
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"avx2", "fma", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "fma", "amx_bf16"}, "bfloat16"),
+        ({"avx2", "fma"}, "bfloat16"),
+        ({"avx", "sse4_2"}, "float32"),
+        (set(), "float32"),
+    ],
+)
+def test_auto_dtype_on_the_cpu_follows_fast_bfloat16(monkeypatch, flags, expected):
+    """bfloat16 where the CPU multiplies it in hardware (AVX-512 BF16, AMX) or widens it in
+    registers (AVX2 + FMA), float32 elsewhere."""
+    from sonar_core import cpu_features
 
-    monkeypatch.setattr(engine_module, "native_bf16", lambda: native)
+    monkeypatch.setattr(cpu_features, "_cpuinfo", lambda: ("a CPU", frozenset(flags)))
     assert EngineConfig(device="cpu").resolved_dtype() == expected
     assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == "float32"
