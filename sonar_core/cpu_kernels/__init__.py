@@ -93,11 +93,12 @@ def load() -> Any:
 
 
 @functools.cache
-def attention_shares_keys() -> bool:
-    """Whether the loaded kernels' attention shares each key among a sequence's queries (built for
-    AVX-512), so that it is the faster path for verification steps too."""
+def attention_verifies_in_place() -> bool:
+    """Whether the loaded kernels' attention is the faster path for verification steps too (AVX-512
+    builds share each key among a sequence's queries; AVX2 builds attend query by query, still
+    faster than gathering the context for PyTorch's SDPA there)."""
     ops = load()
-    return ops is not None and bool(ops.attention_shares_keys())
+    return ops is not None and bool(ops.attention_verifies_in_place())
 
 
 def problem() -> str | None:

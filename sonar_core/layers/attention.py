@@ -39,8 +39,9 @@ from sonar_core import cpu_kernels
 from sonar_core.kv import KVCache, StateBatch
 from sonar_core.layers.long_rows import LongRow, attend_long_row
 
-# Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where it
-# shares each key among a sequence's queries (AVX-512 builds), for verification steps of up to
+# Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where that
+# is faster for several queries too (AVX-512 builds share each key among a sequence's queries, AVX2
+# builds beat the gathered SDPA query by query), for verification steps of up to
 # IN_PLACE_MAX_QUERIES queries per sequence. Longer steps (prefill chunks) gather the context once
 # and let PyTorch's SDPA run its blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64),
 # bfloat16, 2 threads, a whole step in place against gathered: over 256 cached tokens 4 queries
@@ -56,7 +57,7 @@ def attends_in_place(metadata: AttentionMetadata) -> bool:
     """Whether a step's attention runs on the in-place kernel (see above)."""
     if metadata.max_query_len == 1:
         return True
-    return metadata.max_query_len <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_shares_keys()
+    return metadata.max_query_len <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place()
 
 
 @dataclass

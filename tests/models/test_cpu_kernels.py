@@ -190,7 +190,7 @@ def test_layers_attend_in_place_for_decode_and_short_verification_steps():
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
     prefill = AttentionMetadata.build([IN_PLACE_MAX_QUERIES + 1], [40], [list(range(10))], 4, torch.device("cpu"))
     assert attends_in_place(decode) and not attends_in_place(prefill)
-    assert attends_in_place(verify) == bool(ops.attention_shares_keys())
+    assert attends_in_place(verify) == bool(ops.attention_verifies_in_place())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

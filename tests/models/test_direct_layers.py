@@ -37,9 +37,9 @@ def _steps(vocab: int) -> list[dict[str, list[int]]]:
 
 def _in_place(new: dict[str, list[int]]) -> bool:
     """Whether a step's attention runs in place (so its layers may run directly): decodes always,
-    up to 8 queries per sequence where the kernels share keys among queries (AVX-512 builds)."""
+    up to 8 queries per sequence where the kernels verify in place (AVX-512 and AVX2 builds)."""
     longest = max(len(tokens) for tokens in new.values())
-    return longest == 1 or (longest <= 8 and cpu_kernels.attention_shares_keys())
+    return longest == 1 or (longest <= 8 and cpu_kernels.attention_verifies_in_place())
 
 
 class _Counts:
