@@ -201,11 +201,11 @@ def run_with_attention_input(
     """``hidden + attn(attention_input)`` then ``h + mlp(norm(h))`` through the modules of ``plan``
     in one kernel call, or None where the kernels do not take this step (the caller then runs the
     modules). ``cos``/``signed_sin``: ``[T, 1, rotary_dim]``."""
-    ops = _kernels_for(hidden, metadata)
-    if ops is None or not plan.stackable or not attention_input.is_contiguous():
+    if not plan.stackable or not attention_input.is_contiguous() or attention_input.dtype != hidden.dtype:
         return None
-    packed = plan.packed_weights(hidden, kv_cache)
-    if packed is None or attention_input.dtype != hidden.dtype:
+    ops = _kernels_for(hidden, metadata)
+    packed = None if ops is None else plan.packed_weights(hidden, kv_cache)
+    if packed is None:
         return None
     entries = [plan.stack_entries(packed, kv_cache)]
     return run_stack(ops, entries, hidden, *_flat_tables(cos, signed_sin), metadata, attention_input)
