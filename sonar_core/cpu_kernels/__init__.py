@@ -53,10 +53,14 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The dtypes the skinny matmul (``csrc/skinny_linear.cpp``) packs.
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # -mprefer-vector-width=512: GCC otherwise keeps to 256-bit vectors on AVX-512 CPUs (harmless
-# where the CPU has no AVX-512).
+# where the CPU has no AVX-512). -fno-trapping-math: without it GCC keeps every floating-point
+# comparison behind a branch (a comparison may raise an exception flag, which nothing here reads),
+# so loops with a max, a min or a select, such as the softmax's and SiLU's exponentials, stay
+# scalar; the values computed are the same.
 COMPILE_FLAGS = (
     "-O3",
     "-mprefer-vector-width=512",
+    "-fno-trapping-math",
     "-fopenmp",
     "-std=c++17",
     "-fPIC",

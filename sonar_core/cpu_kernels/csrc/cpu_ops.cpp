@@ -494,17 +494,30 @@ void decode_value_sums(const DecodeItem<T>& item, const T* v_ptr, int64_t block_
                        const float* weights, int64_t weight_stride, const float* totals) {
   constexpr int kVecs = kDim / Wide::kLanes;
   Wide::V acc[kHeads][kVecs];
+#pragma GCC unroll 32
   for (int r = 0; r < kHeads; ++r)
+#pragma GCC unroll 32
     for (int c = 0; c < kVecs; ++c) acc[r][c] = Wide::zero();
-  CacheRows<T> rows(v_ptr, item.table, block_size, slot_stride, item.kv_offset, item.first);
-  for (int64_t i = 0, count = item.last - item.first + 1; i < count; ++i) {
-    const T* vrow = rows.next();
-    Wide::V v[kVecs];
-    for (int c = 0; c < kVecs; ++c) v[c] = Wide::load(vrow + c * Wide::kLanes);
-    for (int r = 0; r < kHeads; ++r) {
-      const Wide::V w = Wide::set1(weights[r * weight_stride + i]);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = Wide::fmadd(w, v[c], acc[r][c]);
+  // Block by block, so that the loop over a block's rows has no branch in it: with the block
+  // lookup inside the loop GCC kept the sums in memory.
+  // A value vector is loaded where it is used: loading the whole row first needs kVecs more
+  // registers, which AVX2's 16 do not have beside the sums.
+  for (int64_t p = item.first; p <= item.last;) {
+    const int64_t offset = p % block_size, run = std::min(block_size - offset, item.last - p + 1);
+    const T* vrow = v_ptr + (item.table[p / block_size] * block_size + offset) * slot_stride + item.kv_offset;
+    const float* key_weights = weights + (p - item.first);
+    for (int64_t i = 0; i < run; ++i, vrow += slot_stride) {
+      Wide::V w[kHeads];
+#pragma GCC unroll 32
+      for (int r = 0; r < kHeads; ++r) w[r] = Wide::set1(key_weights[r * weight_stride + i]);
+#pragma GCC unroll 32
+      for (int c = 0; c < kVecs; ++c) {
+        const Wide::V v = Wide::load(vrow + c * Wide::kLanes);
+#pragma GCC unroll 32
+        for (int r = 0; r < kHeads; ++r) acc[r][c] = Wide::fmadd(w[r], v, acc[r][c]);
+      }
     }
+    p += run;
   }
   for (int r = 0; r < kHeads; ++r) {
     const Wide::V inv = Wide::set1(1.f / totals[r]);
