@@ -50,10 +50,10 @@ def test_matches_the_exact_product(dtype, rows, shape, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [2, 3, 4, 11])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 11])
 def test_each_row_gets_the_same_bits_whatever_else_is_in_the_call(dtype, rows):
-    """Verification of k drafts then equals decoding them one at a time, bit for bit (two, three
-    and four rows each take a register tile of their own)."""
+    """Verification of k drafts then equals decoding them one at a time, bit for bit (two to six
+    rows each take a register tile of their own on some paths)."""
     weight = _random(200, 96, dtype=dtype, seed=4)
     packed = ops.pack_linear_weight(weight)
     x = _random(rows, 96, dtype=dtype, seed=5)

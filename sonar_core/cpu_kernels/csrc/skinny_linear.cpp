@@ -65,7 +65,8 @@ inline float bits_to_float(uint32_t bits) {
 // inputs) and one packed weight row of the block, and the multiply-add of the two into Acc.
 // Each path states its register tiles: kTileBlocks x kTileRows for several rows, kPairRowBlocks
 // for two rows and kSingleRowBlocks for one (enough independent accumulators to hide the
-// multiply-add latency, and enough weight streams in flight to keep the memory busy).
+// multiply-add latency, and enough weight streams in flight to keep the memory busy), and
+// kWideTileRows, where larger than kTileRows, for the calls of kTileRows + 1 to kWideTileRows rows.
 // AVX-512's 32 registers hold 24 accumulators of 6 blocks x 4 rows, or 16 of 8 blocks x 2 rows
 // beside their weight rows. Measured on SmolLM2's 121 projections (2-core Xeon with AMX,
 // bfloat16, 2 threads, the two builds alternating in one process, median of 28 rounds, twice):
@@ -91,6 +92,7 @@ struct F32 {
   using X = float;  // x's elements as the tile reads them (bfloat16 ones are widened first)
   static constexpr int64_t kInputs = 1;  // inputs per packed row
   static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 8, kSingleRowBlocks = 8;
+  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     __m512 v;
   };
@@ -106,6 +108,7 @@ struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 8, kSingleRowBlocks = 8;
+  static constexpr int kWideTileRows = kTileRows;
 #if defined(__AVX512BF16__)
   using X = uint16_t;
   struct Input {
@@ -150,6 +153,10 @@ struct Bf16 {
 // 4 / 6 rows 11.26 / 14.42 / 12.71 / 18.51 ms with the former 1-block tiles and x widened per
 // step, 10.79 / 11.54 / 11.12 / 16.56 now; float32 2 / 3 / 6 rows 19.74 / 22.41 / 28.10 ms with
 // 2 x 2 tiles, 18.94 / 19.62 / 25.67 now.
+// Five or six bfloat16 rows (verifying four or five drafts) take one tile of six rows, so the
+// weights are read once: it spills a little, so more rows keep to tiles of four (the same
+// machine, alternating, three sittings: 5 rows 18.05 / 25.23 -> 15.62 / 23.00 ms, 6 rows 16.46 /
+// 19.09 / 21.67 -> 14.98 / 17.18 / 20.56; 12 rows in tiles of six 27.16 -> 30.35).
 constexpr const char* kPath = "avx2";
 
 struct Acc {
@@ -166,6 +173,7 @@ struct F32 {
   using X = float;
   static constexpr int64_t kInputs = 1;
   static constexpr int kTileBlocks = 2, kTileRows = 3, kPairRowBlocks = 3, kSingleRowBlocks = 4;
+  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     __m256 v;
   };
@@ -184,6 +192,7 @@ struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 2, kSingleRowBlocks = 4;
+  static constexpr int kWideTileRows = 6;
   using X = float;
   struct Input {
     __m256 even, odd;
@@ -221,6 +230,7 @@ struct F32 {
   using X = float;
   static constexpr int64_t kInputs = 1;
   static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 1, kSingleRowBlocks = 1;
+  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     float v;
   };
@@ -238,6 +248,7 @@ struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 1, kSingleRowBlocks = 1;
+  static constexpr int kWideTileRows = kTileRows;
   using X = float;
   struct Input {
     float even, odd;
@@ -351,6 +362,8 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
       tiles<T, P, P::kSingleRowBlocks, 1>(xp, wp, bp, op, 1, begin, end, inputs, outputs, steps);
     } else if (rows == 2) {
       tiles<T, P, P::kPairRowBlocks, 2>(xp, wp, bp, op, 2, begin, end, inputs, outputs, steps);
+    } else if (P::kWideTileRows > P::kTileRows && rows > P::kTileRows && rows <= P::kWideTileRows) {
+      tiles<T, P, P::kTileBlocks, P::kWideTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
     } else {
       tiles<T, P, P::kTileBlocks, P::kTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
     }
