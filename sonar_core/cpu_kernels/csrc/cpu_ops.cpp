@@ -75,8 +75,9 @@ inline float sum_of_squares(const T* x, int64_t n) {
 }
 
 // exp(x) for float32 in a form the compiler vectorises (glibc's expf stays scalar without
-// -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error below 2e-7, about one float32 ulp), times 2^n built in the exponent bits.
+// -ffast-math; the comparisons need -fno-trapping-math, see COMPILE_FLAGS): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error below 2e-7, about one
+// float32 ulp), times 2^n built in the exponent bits.
 // Inputs below -87 (e^x under float's normal range) give 0, which softmax and SiLU need.
 inline float fast_exp(float x) {
   x = std::max(x, -87.3f);
@@ -498,10 +499,11 @@ void decode_value_sums(const DecodeItem<T>& item, const T* v_ptr, int64_t block_
   for (int r = 0; r < kHeads; ++r)
 #pragma GCC unroll 32
     for (int c = 0; c < kVecs; ++c) acc[r][c] = Wide::zero();
-  // Block by block, so that the loop over a block's rows has no branch in it: with the block
-  // lookup inside the loop GCC kept the sums in memory.
-  // A value vector is loaded where it is used: loading the whole row first needs kVecs more
-  // registers, which AVX2's 16 do not have beside the sums.
+  // GCC kept the sums in memory, storing all of them for every key, while the loop looked its
+  // block up inside and the loops over heads and vectors were unrolled only after it had placed
+  // them: so the keys go block by block, the small loops are unrolled first, and each value
+  // vector is loaded where it is used (a whole row loaded first needs kVecs more registers, which
+  // AVX2's 16 do not have beside the sums).
   for (int64_t p = item.first; p <= item.last;) {
     const int64_t offset = p % block_size, run = std::min(block_size - offset, item.last - p + 1);
     const T* vrow = v_ptr + (item.table[p / block_size] * block_size + offset) * slot_stride + item.kv_offset;
