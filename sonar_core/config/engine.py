@@ -60,7 +60,7 @@ class EngineConfig(BaseModel):
 
     dtype: str = "auto"
     """Weights and activations: float32 (fp32, float), float16 (fp16, half), bfloat16 (bf16) or
-    auto (bfloat16 on CUDA, float32 on CPU)."""
+    auto (bfloat16 on CUDA and on CPUs with AVX-512 BF16, AMX or AVX2 + FMA, float32 on others)."""
 
     device: str = "auto"
     """cpu, cuda (or cuda:N), or auto (CUDA when a device is available, else CPU)."""
@@ -84,10 +84,10 @@ class EngineConfig(BaseModel):
 
     enable_prefix_caching: bool | None = None
     """Reuse the KV cache of full blocks that earlier requests computed for the same leading
-    tokens, so that a shared prompt prefix is prefilled once. Unset: on wherever it is lossless,
-    off with a speculative method that keeps KV layers of its own or reads the target's states at
-    every position (draft models, EAGLE, MTP, block drafters, the hidden-state exporter) and with
-    linear-attention models; true with one of those is an error."""
+    tokens, so that a shared prompt prefix is prefilled once. Unset: on wherever it is lossless
+    (EAGLE, EAGLE-3 and MTP layers included), off with a speculative method whose own KV or
+    target states per position a cached block cannot hold (draft models, block drafters, the
+    hidden-state exporter) and with linear-attention models; true with one of those is an error."""
 
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (0 < x <= 1); what the weights leave of it

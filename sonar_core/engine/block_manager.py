@@ -11,6 +11,11 @@ engine) the same KV in it. With ``enable_caching`` the manager keeps a ``hash ->
 full blocks; a new request takes the cached blocks of its leading full blocks (reference counted)
 and computes from the first uncached token on.
 
+A proposer whose KV of a position also depends on the tokens after it (EAGLE pairs the target's
+state at ``t`` with token ``t + 1``) declares that reach, ``lookahead``: each block's hash then also
+covers the ``lookahead`` tokens that follow it, so two requests share a block only where its
+proposer KV is the same for both.
+
 A full, registered block is immutable: its owner only writes at positions past its committed
 tokens, i.e. into later blocks, and a request that took it from the cache starts writing after it.
 :meth:`BlockManager.check_writable` asserts that no step writes into a registered or shared block
@@ -43,16 +48,22 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, lookahead: int = 0
+) -> None:
     """Append to ``hashes`` (the chained hashes of a request's first blocks) those of the blocks
-    that follow: ``token_ids`` holds their tokens, ``len(token_ids) // block_size`` whole blocks."""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    that follow: ``token_ids`` holds their tokens and the ``lookahead`` tokens after the last of
+    them (``(len(token_ids) - lookahead) // block_size`` whole blocks), each block hashed with the
+    ``lookahead`` tokens after it."""
+    for start in range(0, len(token_ids) - block_size - lookahead + 1, block_size):
+        covered = token_ids[start : start + block_size + lookahead]
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, covered))
 
 
 class _Capabilities(Protocol):
     kv_layers: tuple
     target_hidden_layers: tuple[int, ...]
+    prefix_cache_lookahead: int | None
 
 
 def resolve_prefix_caching(
@@ -60,25 +71,28 @@ def resolve_prefix_caching(
 ) -> bool:
     """Whether the engine caches prefixes: ``enable_prefix_caching`` (None: wherever it is lossless).
 
-    It is lossless when every KV entry of a full block is the target's, written once at the step
-    that computed it, and nothing else is kept per position. Not so, hence off by default and a
-    :class:`ConfigError` when asked for:
+    It is lossless when every KV entry of a full block is written once, at the step that computed
+    the target's KV there, from the tokens the block's hash covers (the proposer's reach included:
+    :attr:`~sonar_core.spec_decode.proposer.ProposerCapabilities.prefix_cache_lookahead`), and
+    nothing else is kept per position. Not so, hence off by default and a :class:`ConfigError`
+    when asked for:
 
-    - a proposer with KV layers of its own (draft models, EAGLE, MTP layers, block drafters): its
-      KV shares the block tables but is written at other steps than the target's (a draft model
-      catches up over the whole prompt, so it would write into blocks other requests share;
-      EAGLE's KV of a position needs the target's state there, which a cached prefix never
-      computes), so a cached block holds no valid, immutable proposer KV;
-    - a proposer that reads the target's per-position states (``target_hidden_layers``, e.g. the
-      hidden-state exporter): a cached prefix is never run, so its states would be missing;
+    - a proposer with KV layers of its own that declares no ``prefix_cache_lookahead`` (draft
+      models, block drafters): its KV shares the block tables but is written at other steps than
+      the target's (a draft model catches up over the whole prompt, so it would write into blocks
+      other requests share), so a cached block holds no valid, immutable proposer KV;
+    - a proposer that reads the target's per-position states (``target_hidden_layers``) and
+      declares no ``prefix_cache_lookahead`` (the hidden-state exporter): a cached prefix is never
+      run, so its states would be missing;
     - a target with recurrent-state layers (hybrid linear attention): the state after a prefix is
       not kept per block, so a request could not start after its cached blocks.
     """
     reasons = []
-    if capabilities is not None and capabilities.kv_layers:
+    shares_cached_blocks = capabilities is not None and capabilities.prefix_cache_lookahead is not None
+    if capabilities is not None and capabilities.kv_layers and not shares_cached_blocks:
         reasons.append("the speculative method keeps KV layers of its own in the paged cache, which it "
                        "writes at other steps than the target's KV, so a cached block would not hold them")
-    if capabilities is not None and capabilities.target_hidden_layers:
+    if capabilities is not None and capabilities.target_hidden_layers and not shares_cached_blocks:
         reasons.append("the speculative method reads the target's states at every position, which a cached "
                        "prefix does not compute")
     if has_recurrent_state:
@@ -104,12 +118,17 @@ class BlockManager:
     request holds are evicted least recently freed first, and only when no other block is free.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, lookahead: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1 or lookahead < 0:
+            raise ValueError(
+                f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive, lookahead ({lookahead}) "
+                "not negative"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Tokens after a block that its hash covers too (the proposer's reach; see the module docstring).
+        self.lookahead = lookahead
         # Blocks nobody holds and that cache nothing.
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks

@@ -138,7 +138,10 @@ class LLMEngine:
             self.workers.allocate_kv(TARGET, target_specs, num_blocks, config.block_size, self.dtype)
             if DRAFT in self.workers.keys:  # a draft split like the target: its KV is split too
                 self.workers.allocate_kv(DRAFT, proposer_specs, num_blocks, config.block_size, self.dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size, enable_caching=self.prefix_caching)
+        lookahead = (plan.capabilities.prefix_cache_lookahead or 0) if plan else 0
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_caching=self.prefix_caching, lookahead=lookahead
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, token_budget, on_preempt=self._on_preempt
         )

@@ -144,21 +144,24 @@ class Scheduler:
             return []
         if seq.block_table or seq.num_computed_tokens:
             raise AssertionError(f"waiting request {seq.request_id} holds KV blocks")
-        num_full = (seq.num_tokens - 1) // manager.block_size
+        # A block's hash covers the lookahead tokens after it, which must be known.
+        num_full = (seq.num_tokens - max(1, manager.lookahead)) // manager.block_size
         self._hash_blocks(seq, num_full)
         return manager.cached_blocks(seq.block_hashes[:num_full])
 
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
         """Make ``seq.block_hashes`` cover (at least) its first ``num_blocks`` full blocks."""
-        block_size = self.block_manager.block_size
+        block_size, lookahead = self.block_manager.block_size, self.block_manager.lookahead
         done = len(seq.block_hashes)
         if done < num_blocks:
-            extend_block_hashes(seq.block_hashes, seq.token_slice(done * block_size, num_blocks * block_size), block_size)
+            tokens = seq.token_slice(done * block_size, num_blocks * block_size + lookahead)
+            extend_block_hashes(seq.block_hashes, tokens, block_size, lookahead)
 
     def cache_full_blocks(self, sched: SchedulerOutput) -> None:
         """After a step's requests were updated: register in the prefix cache every block that is
         now full of committed tokens (``num_computed_tokens`` after verification, and only tokens
-        that are part of the request, so never a rejected draft's or a token past a stop)."""
+        that are part of the request, so never a rejected draft's or a token past a stop), once the
+        lookahead tokens after it are known too."""
         manager = self.block_manager
         if not manager.enable_caching:
             return
@@ -167,7 +170,7 @@ class Scheduler:
             seq = item.seq
             if seq.is_finished:
                 continue
-            committed = min(seq.num_computed_tokens, seq.num_tokens)
+            committed = min(seq.num_computed_tokens, seq.num_tokens - manager.lookahead)
             num_full = min(committed // block_size, len(seq.block_table))
             if num_full <= seq.num_cached_blocks:
                 continue

@@ -16,6 +16,11 @@ A :class:`ChainDraftHead` turns ``(token, hidden)`` pairs into a draft hidden st
 Draft ids stay on the device for the whole chain and are read back once. The proposer keeps no
 per-request state: every step's first pass starts from the target's states, so preemption,
 recomputation and aborts need nothing from it.
+
+The draft KV of a position that the target has run is therefore fixed by the tokens up to the
+next one and written in the same step: a prefix-cached block keyed on its tokens and the one after
+them (``prefix_cache_lookahead=1``) holds exactly the draft KV a request that hits it would write,
+and the first pass of that request starts at its first uncached position.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class ChainProposer(Proposer):
             kv_layers=head.kv_layers,
             returns_draft_probs=sampler.probabilistic,
             max_depth=max_depth,
+            prefix_cache_lookahead=1,
         )
 
     @torch.inference_mode()

@@ -64,10 +64,21 @@ class ProposerCapabilities:
     reads_target_kv: bool = False
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
+    # Whether a request may start after blocks another request left in the prefix cache when the
+    # proposer keeps KV layers or reads target states per position. None (the default): it may
+    # not, since the proposer's data for cached positions would be missing or another request's;
+    # prefix caching is then off. n: the proposer writes its data of position t (its KV) in the
+    # step where the target computes t, from the target's states there and the tokens up to
+    # t + n, and reads nothing else per position; the cache then keys each block on its tokens
+    # and the n after it, so a cached block holds the proposer data this request would have
+    # written (the chain drafters: 1, as position t pairs the target's state with token t + 1).
+    prefix_cache_lookahead: int | None = None
 
     def __post_init__(self) -> None:
         if len(set(self.target_hidden_layers)) != len(self.target_hidden_layers):
             raise ValueError(f"target_hidden_layers must not repeat, got {self.target_hidden_layers}")
+        if self.prefix_cache_lookahead is not None and self.prefix_cache_lookahead < 0:
+            raise ValueError(f"prefix_cache_lookahead must be None or >= 0, got {self.prefix_cache_lookahead}")
 
     @property
     def reads_target_hidden(self) -> bool:

@@ -178,6 +178,17 @@ def test_default_is_on_only_where_lossless():
         assert info.value.field == "enable_prefix_caching"
 
 
+def test_a_proposer_that_declares_its_reach_keeps_it_on():
+    # EAGLE-3: KV layers and target states, written with the target's step, reaching one token on.
+    eagle3 = ProposerCapabilities(
+        kv_layers=(KVLayerSpec(num_kv_heads=2, head_dim=16),), target_hidden_layers=(0, 2), prefix_cache_lookahead=1
+    )
+    assert resolve_prefix_caching(None, eagle3, False) and resolve_prefix_caching(True, eagle3, False)
+    assert not resolve_prefix_caching(None, eagle3, True)  # a linear-attention target still turns it off
+    with pytest.raises(ValueError, match="prefix_cache_lookahead"):
+        ProposerCapabilities(prefix_cache_lookahead=-1)
+
+
 def test_the_flag():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -262,6 +273,29 @@ def test_a_request_starts_after_its_cached_prefix_but_always_computes_its_last_t
     for seq in list(scheduler.running):
         scheduler.finish(seq)
     scheduler.block_manager.check_accounting()
+
+
+def test_with_a_lookahead_a_block_is_shared_only_with_the_token_after_it():
+    manager = BlockManager(64, BLOCK, enable_caching=True, lookahead=1)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    first = _seq("a", list(range(10)))
+    scheduler.add(first)
+    _step(scheduler)
+    assert first.num_cached_blocks == 2  # 0..7, each hashed with the token after it (4, 8)
+    same_next = _seq("b", list(range(9)) + [50])
+    other_next = _seq("c", list(range(8)) + [60, 61])  # token 8 differs: the second block is not shared
+    aligned = _seq("d", list(range(9)))  # the second block's next token is its newest, computed anyway
+    for seq in (same_next, other_next, aligned):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    starts = {item.seq.request_id: item.seq.num_computed_tokens for item in out.scheduled if item.seq is not first}
+    assert starts == {"b": 8, "c": 4, "d": 8}
+    assert other_next.block_table[0] == first.block_table[0] and other_next.block_table[1] != first.block_table[1]
+    for seq in list(scheduler.running):
+        scheduler.finish(seq)
+    manager.check_accounting()
+    with pytest.raises(ValueError, match="lookahead"):
+        BlockManager(4, BLOCK, lookahead=-1)
 
 
 def test_a_preempted_request_hits_its_own_blocks_when_it_returns():

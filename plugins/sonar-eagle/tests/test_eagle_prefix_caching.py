@@ -1,0 +1,116 @@
+"""Prefix caching with EAGLE heads: a request that starts after another request's cached blocks
+finds the draft KV it would have written itself, and its output is the same as without caching.
+
+EAGLE's draft KV at position ``t`` pairs the target's state at ``t`` with token ``t + 1``, so a
+block is shared only between requests that also agree on the token after it
+(``prefix_cache_lookahead=1``); the tests below build prompts that agree on whole blocks but not
+on that token, and prompts that agree on both.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from aphrodite import LLM, SamplingParams
+from sonar_core.engine.sequence import Sequence
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+HEADS = {
+    "eagle3": dict(method="eagle3", layout="speculators", draft_vocab_size=128),
+    "eagle1": dict(method="eagle", layout="safeailab"),
+}
+
+
+def _prompts() -> tuple[list[int], list[list[int]]]:
+    """A first prompt, then followers: one that agrees with it on four whole blocks but not on the
+    token after them (the fourth block's draft KV differs, so only three blocks may be shared),
+    and two that agree on the four blocks and the token after them."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(4 * BLOCK + 1)]
+    first = prefix + [rng.randrange(3, 500) for _ in range(6)]
+    other_next = prefix[: 4 * BLOCK] + [(prefix[4 * BLOCK] + 1) % 500 + 3] + [rng.randrange(3, 500) for _ in range(5)]
+    same_next = [prefix + [rng.randrange(3, 500) for _ in range(n)] for n in (3, 8)]
+    return first, [other_next, *same_next]
+
+
+def _draft_kv(llm: LLM, seq: Sequence, num_positions: int) -> list[torch.Tensor]:
+    """The keys and values every draft layer holds for a request's first ``num_positions`` positions."""
+    blocks = torch.tensor(seq.block_table)
+    out = []
+    for cache in llm.engine.speculator.kv_caches:
+        for part in cache:
+            out.append(part.index_select(0, blocks).flatten(0, 1)[:num_positions].clone())
+    return out
+
+
+def _first_step(llm: LLM, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[int]]:
+    """Run one request alone: the tokens its prompt found cached, the draft KV of its prompt after
+    its first step (which prefills it and runs the draft's first pass), and its output."""
+    engine = llm.engine
+    hits = engine.prefix_cache_hits
+    request_id = engine.add_request(prompt, GREEDY)
+    engine.step()
+    seq = engine.scheduler.running[0]
+    assert seq.request_id == request_id and seq.num_computed_tokens == len(prompt)
+    kv = _draft_kv(llm, seq, len(prompt))
+    cached = engine.prefix_cache_hits - hits
+    output: list[int] = []
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            if result.finished:
+                output = result.outputs[0].token_ids
+    manager = engine.block_manager
+    manager.check_accounting()
+    assert manager.num_free_blocks == manager.num_blocks
+    return cached, kv, output
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, target, make_head):
+    options = HEADS[head]
+    config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3}
+    engines = {
+        caching: LLM(model=str(target), dtype="float32", device="cpu", block_size=BLOCK, speculative_config=config,
+                     enable_prefix_caching=caching)
+        for caching in (False, True)
+    }
+    cached_engine = engines[True]
+    assert cached_engine.engine.prefix_caching and cached_engine.engine.block_manager.lookahead == 1
+    first, followers = _prompts()
+    assert _first_step(cached_engine, first)[0] == 0
+    expected_hits = [3 * BLOCK, 4 * BLOCK, 4 * BLOCK]
+    for prompt, hits in zip(followers, expected_hits, strict=True):
+        cached, kv, output = _first_step(cached_engine, prompt)
+        assert cached == hits
+        none, reference_kv, reference_output = _first_step(engines[False], prompt)
+        assert none == 0
+        assert output == reference_output
+        # Rounding only (the target ran these positions in steps of other sizes); another
+        # request's draft KV would differ in the leading digits.
+        for got, want in zip(kv, reference_kv, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cached_engine.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head):
+    head = make_head(target, **HEADS["eagle3"])
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    first, followers = _prompts()
+    prompts = [first, *followers] * 2
+
+    def outputs(caching: bool, **engine) -> tuple[list[list[int]], LLM]:
+        llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=BLOCK, speculative_config=config,
+                  enable_prefix_caching=caching, **engine)
+        result = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        llm.engine.block_manager.check_accounting()
+        return result, llm
+
+    reference, _ = outputs(False)
+    # Chunked prefill: later requests join while the first one's blocks fill.
+    tokens, llm = outputs(True, max_num_seqs=3, max_num_batched_tokens=12)
+    assert tokens == reference
+    assert llm.engine.prefix_cache_hits > 0
