@@ -4,6 +4,7 @@ greedy output with MTP equals plain output (batches, depths, chunked prefill).""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,23 @@ def test_the_first_draft_equals_transformers_mtp_forward(target):
     llm = LLM(model=str(target), dtype="float32", device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     oracle = TransformersMtp(target)
     assert check_drafts(llm, _prompts(), lambda batch, request: [oracle.first_draft(request.token_ids)]) > 10
+
+
+def test_drafts_after_a_cached_prefix_equal_transformers_mtp_forward(target):
+    """Prefix caching stays on with MTP layers: a request that starts after another one's cached
+    blocks finds the draft KV it would have written, so its drafts are transformers' over the whole
+    context. One request at a time, so that each finds the blocks of those before it."""
+    llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4, max_num_seqs=1,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert llm.engine.prefix_caching
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 250) for _ in range(12)]
+    # Three whole blocks in common, then other tokens: the third block's last draft KV pairs it
+    # with the next token, so only two blocks are shared.
+    prompts = [prefix + [50 + i] + [rng.randrange(3, 250) for _ in range(5)] for i in range(4)]
+    oracle = TransformersMtp(target)
+    assert check_drafts(llm, prompts, lambda batch, request: [oracle.first_draft(request.token_ids)]) > 10
+    assert llm.engine.prefix_cache_hits == 3 * 8
 
 
 @pytest.mark.parametrize("depth", [1, 3])
