@@ -48,8 +48,10 @@ def cpu_prepack_available(dtype: torch.dtype) -> bool:
 # it takes (``skinny_linear_path``), measured side by side with
 # `python -m sonar_core.models.linear_benchmark` (docs/performance.md): AMX tiles led oneDNN up to
 # 512 rows, the AVX512-BF16 vector path led oneDNN without AMX up to 128, float32 on AVX-512 led MKL
-# up to 64 and on AVX2 up to 32. The portable C++ loops are not used.
-SKINNY_ROWS = {"amx": 512, "avx512_bf16": 128, "avx512": 64, "avx2": 32, "generic": 0}
+# up to 64, and float32 on AVX2 led MKL up to 80 (AMD EPYC, 2 threads, a whole prefill step of the
+# embedded model with each limit alternated in one process: 1.55x at 33 rows, 1.01-1.24x at 40-80,
+# 0.93-1.04x at 96, 0.92-1.00x at 128). The portable C++ loops are not used.
+SKINNY_ROWS = {"amx": 512, "avx512_bf16": 128, "avx512": 64, "avx2": 80, "generic": 0}
 # Paths where the kernel takes bfloat16 calls of any size, prefill included: on an AVX2 CPU the
 # library converts bfloat16 in software and was 7-9x slower than the kernel from 8 to 256 rows
 # (AMD EPYC, SmolLM2's projections; at 256 rows the kernel's bfloat16 matched MKL's float32).
