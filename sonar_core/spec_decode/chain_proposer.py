@@ -101,8 +101,9 @@ class ChainProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        # A request that ended this step needs no draft KV any more.
-        requests = [r for r in batch.requests if r.num_hidden_rows and not r.is_finished]
+        # A request that ended this step still gets the draft KV of its last positions: the
+        # blocks they fill may be in the prefix cache for later requests.
+        requests = [r for r in batch.requests if r.num_hidden_rows]
         drafting = [r for r in requests if r.max_draft_tokens > 0]
         if not requests or batch.target_hidden is None:
             return DraftProposal([[] for _ in batch.requests])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.engine.sequence import Sequence
+from sonar_core.testing.prefix_caching import first_step
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -37,40 +37,11 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
     return first, [other_next, *same_next]
 
 
-def _draft_kv(llm: LLM, seq: Sequence, num_positions: int) -> list[torch.Tensor]:
-    """The keys and values every draft layer holds for a request's first ``num_positions`` positions."""
-    blocks = torch.tensor(seq.block_table)
-    out = []
-    for cache in llm.engine.speculator.kv_caches:
-        for part in cache:
-            out.append(part.index_select(0, blocks).flatten(0, 1)[:num_positions].clone())
-    return out
-
-
-def _first_step(llm: LLM, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[int]]:
-    """Run one request alone: the tokens its prompt found cached, the draft KV of its prompt after
-    its first step (which prefills it and runs the draft's first pass), and its output."""
-    engine = llm.engine
-    hits = engine.prefix_cache_hits
-    request_id = engine.add_request(prompt, GREEDY)
-    engine.step()
-    seq = engine.scheduler.running[0]
-    assert seq.request_id == request_id and seq.num_computed_tokens == len(prompt)
-    kv = _draft_kv(llm, seq, len(prompt))
-    cached = engine.prefix_cache_hits - hits
-    output: list[int] = []
-    while engine.has_unfinished_requests():
-        for result in engine.step():
-            if result.finished:
-                output = result.outputs[0].token_ids
-    manager = engine.block_manager
-    manager.check_accounting()
-    assert manager.num_free_blocks == manager.num_blocks
-    return cached, kv, output
-
-
+@pytest.mark.parametrize("first_tokens", [12, 1], ids=["cached-while-running", "cached-as-it-ends"])
 @pytest.mark.parametrize("head", list(HEADS))
-def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, target, make_head):
+def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, first_tokens, target, make_head):
+    """With one new token the first request ends in the step that prefills it, the step that also
+    caches its blocks: the proposer must write their draft KV although the request is done."""
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3}
     engines = {
@@ -81,12 +52,14 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, t
     cached_engine = engines[True]
     assert cached_engine.engine.prefix_caching and cached_engine.engine.block_manager.lookahead == 1
     first, followers = _prompts()
-    assert _first_step(cached_engine, first)[0] == 0
+    cached_engine.generate([first], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    assert cached_engine.engine.prefix_cache_hits == 0
     expected_hits = [3 * BLOCK, 4 * BLOCK, 4 * BLOCK]
     for prompt, hits in zip(followers, expected_hits, strict=True):
-        cached, kv, output = _first_step(cached_engine, prompt)
+        cached, kv, output = first_step(cached_engine, prompt, GREEDY)
         assert cached == hits
-        none, reference_kv, reference_output = _first_step(engines[False], prompt)
+        none, reference_kv, reference_output = first_step(engines[False], prompt, GREEDY)
         assert none == 0
         assert output == reference_output
         # Rounding only (the target ran these positions in steps of other sizes); another
