@@ -77,10 +77,9 @@ def resolve_prefix_caching(
     nothing else is kept per position. Not so, hence off by default and a :class:`ConfigError`
     when asked for:
 
-    - a proposer with KV layers of its own that declares no ``prefix_cache_lookahead`` (draft
-      models, block drafters): its KV shares the block tables but is written at other steps than
-      the target's (a draft model catches up over the whole prompt, so it would write into blocks
-      other requests share), so a cached block holds no valid, immutable proposer KV;
+    - a proposer with KV layers of its own that declares no ``prefix_cache_lookahead`` (block
+      drafters): its KV shares the block tables but is written at other steps than the target's,
+      so a cached block holds no valid, immutable proposer KV;
     - a proposer that reads the target's per-position states (``target_hidden_layers``) and
       declares no ``prefix_cache_lookahead`` (the hidden-state exporter): a cached prefix is never
       run, so its states would be missing;

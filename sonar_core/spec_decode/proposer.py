@@ -67,11 +67,13 @@ class ProposerCapabilities:
     # Whether a request may start after blocks another request left in the prefix cache when the
     # proposer keeps KV layers or reads target states per position. None (the default): it may
     # not, since the proposer's data for cached positions would be missing or another request's;
-    # prefix caching is then off. n: the proposer writes its data of position t (its KV) in the
-    # step where the target computes t, from the target's states there and the tokens up to
-    # t + n, and reads nothing else per position; the cache then keys each block on its tokens
-    # and the n after it, so a cached block holds the proposer data this request would have
-    # written (the chain drafters: 1, as position t pairs the target's state with token t + 1).
+    # prefix caching is then off. n: by the end of the step where the target fills a block
+    # (prefill chunks, steps without drafts and the step that ends the request included), the
+    # proposer has written its data of the block's positions t (its KV), from the target's states
+    # there and the tokens up to t + n, and it reads nothing else per position; the cache then
+    # keys each block on its tokens and the n after it, so a cached block holds the proposer data
+    # this request would have written (the chain drafters: 1, as position t pairs the target's
+    # state with token t + 1; a draft model: 0).
     prefix_cache_lookahead: int | None = None
 
     def __post_init__(self) -> None:

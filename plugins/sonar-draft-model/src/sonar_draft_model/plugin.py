@@ -45,6 +45,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
         context.device,
         probabilistic=config.draft_sample_method == "probabilistic",
         vocab=vocab,
+        max_positions=config.max_model_len,
     )
 
 

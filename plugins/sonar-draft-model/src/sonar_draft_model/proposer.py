@@ -24,8 +24,9 @@ from sonar_draft_model.vocab import VocabularyIntersection
 
 @dataclass
 class _RequestState:
-    # Leading positions whose draft-layer KV matches the request's accepted tokens.
-    committed: int = 0
+    # Leading positions whose draft-layer KV matches the request's accepted tokens; None until
+    # the first call, which starts after the positions the request found in the prefix cache.
+    committed: int | None = None
     # Drafts proposed last step; those the target accepted already have valid draft KV.
     last_drafts: list[int] = field(default_factory=list)
     last_length: int = 0
@@ -38,6 +39,12 @@ class DraftModelProposer(Proposer):
     allocated, preempted and freed with the request. Positions of rejected drafts are rewritten on
     the next call, which is the draft's rollback; accepted drafts keep their KV. The k-1 chained
     steps advance their attention metadata on the device and read the drafts back once.
+
+    A request that does not draft this step (a prefill chunk, no draft budget, or it ended) still
+    has its draft KV caught up to the end of its last full block: so every full block holds its draft KV by the
+    end of the step where the target filled it, from the tokens up to it, and a prefix-cached block
+    holds the draft KV a request that hits it would write (``prefix_cache_lookahead=0``). The
+    catch-up runs once per block, not per step, so a request whose drafting pauses costs little.
     """
 
     def __init__(
@@ -46,10 +53,13 @@ class DraftModelProposer(Proposer):
         device: torch.device,
         probabilistic: bool,
         vocab: VocabularyIntersection | None = None,
+        max_positions: int | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.vocab = vocab
+        # Positions the draft serves (its context limit): a request past it drafts no more.
+        self.max_positions = max_positions
         # A draft of another vocabulary drafts greedily through the shared tokens (its own path);
         # one of the target's vocabulary uses core's sampler.
         self.sampler = (
@@ -58,7 +68,7 @@ class DraftModelProposer(Proposer):
             else DraftSampler(DraftVocabularyMap.identity(model.shared_modules().vocab_size, device), probabilistic, device)
         )
         self.capabilities = ProposerCapabilities(
-            kv_layers=tuple(model.kv_cache_specs()), returns_draft_probs=probabilistic
+            kv_layers=tuple(model.kv_cache_specs()), returns_draft_probs=probabilistic, prefix_cache_lookahead=0
         )
         self._states: dict[str, _RequestState] = {}
 
@@ -70,13 +80,26 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        requests = [r for r in batch.requests if r.max_draft_tokens > 0]
+        # First pass: catch the draft's KV up over the tokens it has not seen (see
+        # _catch_up_end), then draft one token for each drafting request.
+        # A request that ended this step catches up too: its full blocks may be in the prefix cache.
+        spans = {r.request_id: (self._reusable_prefix(r), self._catch_up_end(r, batch.block_size)) for r in batch.requests}
+        catching_up = [r for r in batch.requests if spans[r.request_id][1] > spans[r.request_id][0]]
+        requests = [r for r in catching_up if r.max_draft_tokens > 0]
+        if not catching_up:
+            return DraftProposal([[] for _ in batch.requests])
+        chunks = [r.token_ids[slice(*spans[r.request_id])] for r in catching_up]
+        hidden = self._first_pass(batch, catching_up, chunks, [spans[r.request_id][1] for r in catching_up])
+        for request in catching_up:
+            if not request.max_draft_tokens:
+                self._states[request.request_id] = _RequestState(committed=spans[request.request_id][1])
         if not requests:
             return DraftProposal([[] for _ in batch.requests])
-        # First pass: catch the draft's KV up over tokens it has not seen, then draft one token.
-        chunks = [r.token_ids[self._reusable_prefix(r) :] for r in requests]
+        ends = torch.tensor([len(c) for c in chunks], device=self.device).cumsum(0) - 1
+        last = ends[torch.tensor([i for i, r in enumerate(catching_up) if r.max_draft_tokens], device=self.device)]
+        logits = self._masked(self.model.compute_logits(hidden.index_select(0, last)))
         sampling = self.sampler.batch_for(requests) if self.sampler is not None else None
-        draft_ids, sample = self._pick(self._first_pass(batch, requests, chunks), sampling)
+        draft_ids, sample = self._pick(logits, sampling)
         steps_ids, steps_probs = [sample.token_ids], [sample.probs]
         depth = max(r.max_draft_tokens for r in requests)
         if depth > 1:
@@ -118,13 +141,25 @@ class DraftModelProposer(Proposer):
                 state.last_length = len(request.token_ids)
         return proposal
 
+    def _catch_up_end(self, request: ProposalRequest, block_size: int) -> int:
+        """One past the last position whose draft KV this step's first pass writes: a drafting
+        request's newest token (the engine reserved its slot); for another, the end of the last
+        full block the target has run, within the draft's context limit."""
+        if request.max_draft_tokens > 0:
+            return len(request.token_ids)
+        end = (request.hidden_start + request.num_hidden_rows) // block_size * block_size
+        return end if self.max_positions is None else min(end, self.max_positions)
+
     def _reusable_prefix(self, request: ProposalRequest) -> int:
         """Positions whose draft KV is still valid: committed ones plus accepted earlier drafts.
 
         Drafts d1..d(k-1) were fed to the draft model at positions n..n+k-2 last step; each one the
-        target accepted, in order, left correct KV behind.
+        target accepted, in order, left correct KV behind. At a request's first call, the positions
+        before the first one the target ran: those it found in the prefix cache.
         """
         state = self._states[request.request_id]
+        if state.committed is None:
+            state.committed = request.hidden_start
         tokens = request.token_ids
         reusable = state.committed
         for position, draft in enumerate(state.last_drafts[:-1], start=state.last_length):
@@ -134,23 +169,17 @@ class DraftModelProposer(Proposer):
         return min(reusable, len(tokens) - 1)
 
     def _first_pass(
-        self, batch: ProposeBatch, requests: list[ProposalRequest], chunks: list[list[int]]
+        self, batch: ProposeBatch, requests: list[ProposalRequest], chunks: list[list[int]], ends: list[int]
     ) -> torch.Tensor:
-        """Run the draft over one chunk per request, ending at each request's newest token.
-
-        Returns the draft logits of each chunk's last token.
-        """
-        query_lens = [len(c) for c in chunks]
+        """Run the draft over one chunk per request, the chunk ending before position ``ends[i]``;
+        returns the draft's hidden states of every chunk token."""
         metadata = AttentionMetadata.build(
-            query_lens, [len(r.token_ids) for r in requests], [r.block_table for r in requests], batch.block_size,
-            self.device,
+            [len(c) for c in chunks], ends, [r.block_table for r in requests], batch.block_size, self.device
         )
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
         if self.vocab is not None:
             ids = self.vocab.to_draft(ids)
-        hidden = self.model(ids, metadata.positions, batch.kv_caches, metadata)
-        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return self._masked(self.model.compute_logits(hidden.index_select(0, last)))
+        return self.model(ids, metadata.positions, batch.kv_caches, metadata)
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         return self.vocab.mask_logits(logits) if self.vocab is not None else logits
