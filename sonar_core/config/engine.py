@@ -85,9 +85,10 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool | None = None
     """Reuse the KV cache of full blocks that earlier requests computed for the same leading
     tokens, so that a shared prompt prefix is prefilled once. Unset: on wherever it is lossless
-    (draft models, EAGLE, EAGLE-3 and MTP layers included), off with a speculative method whose own
-    KV or target states per position a cached block cannot hold (block drafters, the hidden-state
-    exporter) and with linear-attention models; true with one of those is an error."""
+    (every built-in speculative method but the hidden-state exporter), off with a speculative
+    method whose own KV or target states per position a cached block cannot hold (the exporter, a
+    custom proposer that declares no prefix_cache_lookahead) and with linear-attention models;
+    true with one of those is an error."""
 
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (0 < x <= 1); what the weights leave of it

@@ -77,9 +77,9 @@ def resolve_prefix_caching(
     nothing else is kept per position. Not so, hence off by default and a :class:`ConfigError`
     when asked for:
 
-    - a proposer with KV layers of its own that declares no ``prefix_cache_lookahead`` (block
-      drafters): its KV shares the block tables but is written at other steps than the target's,
-      so a cached block holds no valid, immutable proposer KV;
+    - a proposer with KV layers of its own that declares no ``prefix_cache_lookahead`` (a custom
+      proposer): its KV shares the block tables, but nothing says it is written in the step that
+      fills a block, so a cached block may hold no valid, immutable proposer KV;
     - a proposer that reads the target's per-position states (``target_hidden_layers``) and
       declares no ``prefix_cache_lookahead`` (the hidden-state exporter): a cached prefix is never
       run, so its states would be missing;
@@ -89,8 +89,9 @@ def resolve_prefix_caching(
     reasons = []
     shares_cached_blocks = capabilities is not None and capabilities.prefix_cache_lookahead is not None
     if capabilities is not None and capabilities.kv_layers and not shares_cached_blocks:
-        reasons.append("the speculative method keeps KV layers of its own in the paged cache, which it "
-                       "writes at other steps than the target's KV, so a cached block would not hold them")
+        reasons.append("the speculative method keeps KV layers of its own in the paged cache and does not declare "
+                       "prefix_cache_lookahead (that it writes them in the step that fills each block), so a cached "
+                       "block might not hold them")
     if capabilities is not None and capabilities.target_hidden_layers and not shares_cached_blocks:
         reasons.append("the speculative method reads the target's states at every position, which a cached "
                        "prefix does not compute")

@@ -11,6 +11,11 @@ step's context overwrites.
 :class:`BlockProposer` drives a head through an engine step: context for every new target
 position (prefill chunks included), then one block pass for the requests that draft, then the
 head's sampling of the block's slots (independent for DFlash, a Markov chain for DSpark).
+
+The context of a position comes from the target's states there alone and is written in the step
+where the target computes it, the step that ends a request included; the block's provisional
+slots lie at and after the newest token, which no cached block holds. So a prefix-cached block
+holds the context a request that hits it would write (``prefix_cache_lookahead=0``).
 """
 
 from __future__ import annotations
@@ -123,11 +128,14 @@ class BlockProposer(Proposer):
             returns_draft_probs=sampler.probabilistic,
             draft_block_len=layout.block_size,
             max_depth=min(layout.drafts_per_block, max_depth or layout.drafts_per_block),
+            prefix_cache_lookahead=0,
         )
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        requests = [r for r in batch.requests if r.num_hidden_rows and not r.is_finished]
+        # A request that ended this step still gets the context of its last positions: the
+        # blocks they fill may be in the prefix cache for later requests.
+        requests = [r for r in batch.requests if r.num_hidden_rows]
         if not requests or batch.target_hidden is None:
             return DraftProposal([[] for _ in batch.requests])
         context = first_pass_metadata(requests, batch.block_size, batch.device)

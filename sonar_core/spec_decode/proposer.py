@@ -73,7 +73,7 @@ class ProposerCapabilities:
     # there and the tokens up to t + n, and it reads nothing else per position; the cache then
     # keys each block on its tokens and the n after it, so a cached block holds the proposer data
     # this request would have written (the chain drafters: 1, as position t pairs the target's
-    # state with token t + 1; a draft model: 0).
+    # state with token t + 1; a draft model and the block drafters: 0).
     prefix_cache_lookahead: int | None = None
 
     def __post_init__(self) -> None:

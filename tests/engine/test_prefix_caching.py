@@ -25,7 +25,6 @@ from sonar_core.kv import KVLayerSpec
 from sonar_core.outputs import RequestMetrics
 from sonar_core.spec_decode.metrics import SpecDecodingStats
 from sonar_core.spec_decode.proposer import ProposerCapabilities
-from sonar_core.testing.block_drafters import build_block_drafter
 
 BLOCK = 4
 # One block of the tiny target (2 layers x K/V x 2 KV heads x 16 dims x 4 bytes x 4 tokens).
@@ -194,16 +193,6 @@ def test_the_flag():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).enable_prefix_caching is None
     assert engine_config_from_args(parser.parse_args(["--enable-prefix-caching"])).enable_prefix_caching is True
-
-
-def test_a_block_drafter_turns_the_default_off_and_refuses_true(make_llm, tiny_model: Path, tmp_path: Path):
-    drafter = build_block_drafter(tiny_model, tmp_path / "dflash", layout="zlab", block_size=4)
-    config = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3}
-    llm = make_llm(speculative_config=config)
-    assert not llm.engine.prefix_caching and not llm.engine.block_manager.enable_caching
-    with pytest.raises(ConfigError, match="KV layers of its own") as info:
-        make_llm(speculative_config=config, enable_prefix_caching=True)
-    assert info.value.field == "enable_prefix_caching"
 
 
 def test_the_hidden_state_exporter_turns_the_default_off(make_llm, tmp_path: Path):

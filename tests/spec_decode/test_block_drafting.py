@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from aphrodite import LLM
+from aphrodite import LLM, SamplingParams
 from sonar_core.testing.block_drafters import build_block_drafter
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
 from sonar_core.testing.losslessness import (
@@ -26,6 +26,7 @@ from sonar_core.testing.losslessness import (
     sampled_output_distances,
 )
 from sonar_core.testing.plugin_checks import check_drafts_from_states
+from sonar_core.testing.prefix_caching import first_step
 from sonar_core.testing.reference_ops import rms_norm, rope
 
 LAYERS = 4
@@ -255,3 +256,30 @@ def test_markov_drafting_follows_the_target_distribution(constant_target, tmp_pa
     results = sampled_output_distances(llm)
     assert 0.1 < llm.get_spec_decode_metrics().acceptance_rate < 0.95
     assert_follows_target_distribution(results)
+
+
+@pytest.mark.parametrize("first_tokens", [12, 1], ids=["cached-while-running", "cached-as-it-ends"])
+@pytest.mark.parametrize("name", ["zlab-b4", "deepspec-vanilla"])
+def test_prefix_caching_keeps_the_context_a_request_would_write(name, first_tokens, target, drafters):
+    """A block drafter's context KV of a position comes from the target's states there alone and is
+    written in the step that computes it (the step that ends a request included): a request that
+    starts after another one's cached blocks finds the context it would have written."""
+    engines = {
+        caching: LLM(model=str(target), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=caching,
+                     speculative_config=_config(name, drafters))
+        for caching in (False, True)
+    }
+    assert engines[True].engine.block_manager.lookahead == 0
+    rng = random.Random(6)
+    prefix = [rng.randrange(3, 500) for _ in range(18)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engines[True].generate([prefix + [7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    for suffix in ([11], [12, 13, 14, 15, 16]):
+        prompt = prefix + suffix
+        cached, kv, output = first_step(engines[True], prompt, greedy)
+        assert cached == 16
+        _, reference_kv, reference_output = first_step(engines[False], prompt, greedy)
+        assert output == reference_output
+        for got, want in zip(kv, reference_kv, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
