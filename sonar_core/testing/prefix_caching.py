@@ -48,3 +48,32 @@ def first_step(llm: Any, prompt: list[int], params: Any) -> tuple[int, list[torc
     manager.check_accounting()
     assert manager.num_free_blocks == manager.num_blocks, "KV blocks leaked"
     return cached, kv, output
+
+
+def check_followers_find_their_draft_kv(
+    cached_llm: Any,
+    uncached_llm: Any,
+    first: list[int],
+    first_tokens: int,
+    followers: list[tuple[list[int], int]],
+    params: Any,
+) -> None:
+    """Run ``first`` alone on ``cached_llm`` for ``first_tokens`` new tokens (with 1 it ends in the
+    step that prefills it, the step that also caches its blocks), then each ``(prompt, hits)``
+    follower alone on both engines: the follower finds ``hits`` tokens cached, outputs what it
+    outputs without caching, and holds the same proposer KV for its prompt up to rounding (the
+    target ran those positions in steps of other shapes; another request's KV would differ in the
+    leading digits)."""
+    from sonar_core.sampling_params import SamplingParams
+
+    cached_llm.generate([first], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    assert cached_llm.engine.prefix_cache_hits == 0
+    for prompt, hits in followers:
+        found, kv, output = first_step(cached_llm, prompt, params)
+        assert found == hits
+        none, reference_kv, reference_output = first_step(uncached_llm, prompt, params)
+        assert none == 0
+        assert output == reference_output
+        for got, want in zip(kv, reference_kv, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

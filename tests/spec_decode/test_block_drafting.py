@@ -26,7 +26,7 @@ from sonar_core.testing.losslessness import (
     sampled_output_distances,
 )
 from sonar_core.testing.plugin_checks import check_drafts_from_states
-from sonar_core.testing.prefix_caching import first_step
+from sonar_core.testing.prefix_caching import check_followers_find_their_draft_kv
 from sonar_core.testing.reference_ops import rms_norm, rope
 
 LAYERS = 4
@@ -273,13 +273,5 @@ def test_prefix_caching_keeps_the_context_a_request_would_write(name, first_toke
     rng = random.Random(6)
     prefix = [rng.randrange(3, 500) for _ in range(18)]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engines[True].generate([prefix + [7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
-                           use_tqdm=False)
-    for suffix in ([11], [12, 13, 14, 15, 16]):
-        prompt = prefix + suffix
-        cached, kv, output = first_step(engines[True], prompt, greedy)
-        assert cached == 16
-        _, reference_kv, reference_output = first_step(engines[False], prompt, greedy)
-        assert output == reference_output
-        for got, want in zip(kv, reference_kv, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    followers = [(prefix + [11], 16), (prefix + [12, 13, 14, 15, 16], 16)]
+    check_followers_find_their_draft_kv(engines[True], engines[False], prefix + [7, 8, 9], first_tokens, followers, greedy)

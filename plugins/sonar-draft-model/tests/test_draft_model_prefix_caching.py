@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.testing.prefix_caching import draft_kv, first_step
+from sonar_core.testing.prefix_caching import check_followers_find_their_draft_kv, draft_kv, first_step
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -41,18 +41,9 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(first_t
     cached_engine = engines[True]
     assert cached_engine.engine.prefix_caching and cached_engine.engine.block_manager.lookahead == 0
     first, followers = _prompts()
-    cached_engine.generate([first], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
-                           use_tqdm=False)
-    assert cached_engine.engine.prefix_cache_hits == 0
-    for prompt in followers:
-        cached, kv, output = first_step(cached_engine, prompt, GREEDY)
-        assert cached == 4 * BLOCK
-        none, reference_kv, reference_output = first_step(engines[False], prompt, GREEDY)
-        assert none == 0
-        assert output == reference_output
-        # Rounding only (other step shapes); another request's draft KV would differ outright.
-        for got, want in zip(kv, reference_kv, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check_followers_find_their_draft_kv(
+        cached_engine, engines[False], first, first_tokens, [(p, 4 * BLOCK) for p in followers], GREEDY
+    )
     assert cached_engine.get_spec_decode_metrics().num_draft_tokens > 0
 
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.testing.prefix_caching import first_step
+from sonar_core.testing.prefix_caching import check_followers_find_their_draft_kv
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -52,20 +51,10 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, f
     cached_engine = engines[True]
     assert cached_engine.engine.prefix_caching and cached_engine.engine.block_manager.lookahead == 1
     first, followers = _prompts()
-    cached_engine.generate([first], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
-                           use_tqdm=False)
-    assert cached_engine.engine.prefix_cache_hits == 0
     expected_hits = [3 * BLOCK, 4 * BLOCK, 4 * BLOCK]
-    for prompt, hits in zip(followers, expected_hits, strict=True):
-        cached, kv, output = first_step(cached_engine, prompt, GREEDY)
-        assert cached == hits
-        none, reference_kv, reference_output = first_step(engines[False], prompt, GREEDY)
-        assert none == 0
-        assert output == reference_output
-        # Rounding only (the target ran these positions in steps of other sizes); another
-        # request's draft KV would differ in the leading digits.
-        for got, want in zip(kv, reference_kv, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    check_followers_find_their_draft_kv(
+        cached_engine, engines[False], first, first_tokens, list(zip(followers, expected_hits, strict=True)), GREEDY
+    )
     assert cached_engine.get_spec_decode_metrics().num_draft_tokens > 0
 
 
