@@ -41,6 +41,7 @@ from sonar_core.spec_decode.proposer import (
     Proposer,
     ProposerCapabilities,
     TargetHiddenStates,
+    drafting_last_rows,
 )
 
 
@@ -107,12 +108,10 @@ class ChainProposer(Proposer):
         drafting = [r for r in requests if r.max_draft_tokens > 0]
         if not requests or batch.target_hidden is None:
             return DraftProposal([[] for _ in batch.requests])
-        device = batch.device
         out, carry = self._first_pass(batch, requests)
         if not drafting:
             return DraftProposal([[] for _ in batch.requests])
-        ends = torch.tensor([r.num_hidden_rows for r in requests], device=device).cumsum(0) - 1
-        last = ends[torch.tensor([i for i, r in enumerate(requests) if r.max_draft_tokens > 0], device=device)]
+        last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
         token_ids, probs = self._chain(batch, drafting, out.index_select(0, last), carry.index_select(0, last))
         return DraftProposal.from_rows(batch.requests, drafting, token_ids, probs)
 

@@ -188,6 +188,17 @@ class ProposeBatch:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
 
+def drafting_last_rows(lengths: list[int], requests: list[ProposalRequest], device: torch.device) -> torch.Tensor:
+    """``[D]`` int64: in one pass whose rows run request by request (``lengths[i]`` rows for
+    ``requests[i]``), the last row of each request that drafts: where its first draft is read."""
+    rows, end = [], 0
+    for length, request in zip(lengths, requests, strict=True):
+        end += length
+        if request.max_draft_tokens > 0:
+            rows.append(end - 1)
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
 @dataclass
 class DraftProposal:
     """Drafts for one step, in ProposeBatch.requests order."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from sonar_core.sampling_params import SamplingParams
+
 
 def draft_kv(engine: Any, block_table: list[int], num_positions: int) -> list[torch.Tensor]:
     """The keys and values every proposer KV layer of ``engine`` (an ``LLMEngine``) holds for the
@@ -64,8 +66,6 @@ def check_followers_find_their_draft_kv(
     outputs without caching, and holds the same proposer KV for its prompt up to rounding (the
     target ran those positions in steps of other shapes; another request's KV would differ in the
     leading digits)."""
-    from sonar_core.sampling_params import SamplingParams
-
     cached_llm.generate([first], SamplingParams(temperature=0.0, max_tokens=first_tokens, ignore_eos=True),
                         use_tqdm=False)
     assert cached_llm.engine.prefix_cache_hits == 0

@@ -17,6 +17,7 @@ from sonar_core.spec_decode.proposer import (
     ProposeBatch,
     Proposer,
     ProposerCapabilities,
+    drafting_last_rows,
 )
 from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 from sonar_draft_model.vocab import VocabularyIntersection
@@ -95,8 +96,7 @@ class DraftModelProposer(Proposer):
                 self._states[request.request_id] = _RequestState(committed=spans[request.request_id][1])
         if not requests:
             return DraftProposal([[] for _ in batch.requests])
-        ends = torch.tensor([len(c) for c in chunks], device=self.device).cumsum(0) - 1
-        last = ends[torch.tensor([i for i, r in enumerate(catching_up) if r.max_draft_tokens], device=self.device)]
+        last = drafting_last_rows([len(c) for c in chunks], catching_up, self.device)
         logits = self._masked(self.model.compute_logits(hidden.index_select(0, last)))
         sampling = self.sampler.batch_for(requests) if self.sampler is not None else None
         draft_ids, sample = self._pick(logits, sampling)
