@@ -92,9 +92,11 @@ class AttentionMetadata:
     # [T] index of each new token in the padded [B * max_query_len] query layout; None when the flat
     # batch already is that layout (all query lengths equal, e.g. pure decode or one sequence).
     query_pad_index: torch.Tensor | None = None
-    # [B, 1, max_query_len, max_seq_len] bool, True where a query may attend to a key; None when
-    # every query may see every key of its row (pure decode of equal-length sequences).
-    attn_mask: torch.Tensor | None = None
+    # Whether some query may not see every key of its row, so that :attr:`attn_mask` is not None.
+    # The mask itself is built on first read: Sonar's CPU kernels attend causally from the lengths
+    # and never read it, so a step they run does not pay for building it.
+    needs_mask: bool = False
+    _attn_mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     _window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # The host lists the derived fields came from, (query_lens, seq_lens); see host_lens().
@@ -161,46 +163,6 @@ class AttentionMetadata:
         metadata._derive(query_lens, seq_lens, torch.device(device))
         return metadata
 
-    @classmethod
-    def decode_rows(
-        cls,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        block_size: int,
-        max_seq_len: int,
-    ) -> AttentionMetadata:
-        """Metadata of one new token per sequence at ``positions`` (``[B]`` int64, on the device),
-        built on the device without reading anything back to the host.
-
-        ``block_tables`` ``[B, W]`` must cover every position; ``max_seq_len`` (a host int, at least
-        ``max(positions) + 1``) sizes the context read. Chained draft steps use it: they advance the
-        positions on the device and the host only tracks their maximum.
-        """
-        num_seqs = positions.shape[0]
-        seq_lens = positions + 1
-        blocks = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        num_blocks = -(-max_seq_len // block_size)
-        if num_blocks > block_tables.shape[1]:
-            raise ValueError(
-                f"block tables of {block_tables.shape[1]} blocks of {block_size} cannot hold {max_seq_len} tokens"
-            )
-        key_pos = torch.arange(max_seq_len, device=positions.device)
-        mask = None if num_seqs == 1 else (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        return cls(
-            query_start_loc=torch.arange(num_seqs + 1, device=positions.device),
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=blocks * block_size + positions % block_size,
-            positions=positions,
-            block_size=block_size,
-            num_seqs=num_seqs,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            context_block_ids=block_tables[:, :num_blocks].reshape(-1),
-            query_pad_index=None,
-            attn_mask=mask,
-        )
-
     def _derive(self, query_lens: list[int], seq_lens: list[int], device: torch.device) -> None:
         num_seqs = len(query_lens)
         max_query_len = max(query_lens)
@@ -226,21 +188,32 @@ class AttentionMetadata:
 
         uniform_context = all(s == max_seq_len for s in seq_lens)
         causal_rows_differ = self.causal and max_query_len > 1
-        if uniform_context and not causal_rows_differ:
-            self.attn_mask = None
-            return
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        key_pos = torch.arange(max_seq_len)
-        allowed = (key_pos[None, :] < seq_lens_t[:, None])[:, None, :]  # [B, 1, L]
+        self.needs_mask = not (uniform_context and not causal_rows_differ)
+        self._attn_mask = None
+
+    @property
+    def attn_mask(self) -> torch.Tensor | None:
+        """``[B, 1, max_query_len, max_seq_len]`` bool, True where a query may attend to a key; None
+        when every query may see every key of its row (one sequence's decode, equal-length decodes)."""
+        if self.needs_mask and self._attn_mask is None:
+            self._attn_mask = self._build_mask()
+        return self._attn_mask if self.needs_mask else None
+
+    def _build_mask(self) -> torch.Tensor:
+        """The mask from the step's tensors, on their device (nothing read back to the host)."""
+        device = self.seq_lens.device
+        key_pos = torch.arange(self.max_seq_len, device=device)
+        allowed = (key_pos[None, :] < self.seq_lens[:, None])[:, None, :]  # [B, 1, L]
         if self.causal:
             # Query j of row b sits at position seq_len - query_len + j. Padding rows (j >=
             # query_len) land past the end and so see the whole context: never an empty row.
-            query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-            query_pos = (seq_lens_t - query_lens_t)[:, None] + torch.arange(max_query_len)[None, :]
+            query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            offsets = torch.arange(self.max_query_len, device=device)[None, :]
+            query_pos = (self.seq_lens - query_lens)[:, None] + offsets
             allowed = allowed & (key_pos[None, None, :] <= query_pos[:, :, None])  # [B, Q, L]
         else:
-            allowed = allowed.expand(num_seqs, max_query_len, max_seq_len)
-        self.attn_mask = allowed[:, None].to(device, non_blocking=True)
+            allowed = allowed.expand(self.num_seqs, self.max_query_len, self.max_seq_len)
+        return allowed[:, None]
 
     def host_lens(self) -> tuple[list[int], list[int]]:
         """``(query_lens, seq_lens)`` as host lists: those :meth:`build` was given, else read back

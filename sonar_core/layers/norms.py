@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.for_tensor(x, self.weight)
         if kernels is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+            if x.dim() == 2:  # a step's rows: no views around the kernel (they cost as much as it)
+                return kernels.rms_norm(x, self.weight, self.eps)
             return kernels.rms_norm(x.view(-1, self._shape[0]), self.weight, self.eps).view(x.shape)
         if x.dtype == torch.float32:
             # One fused kernel: same arithmetic as the general branch when no cast is involved.
@@ -52,6 +54,14 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self._shape[0]}, eps={self.eps}"
+
+
+def rms_norm_per_group(x: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` with ``weights[g]`` over each group ``g`` of ``x`` ``[..., G, H]`` (``weights``
+    ``[G, H]``), in one call: the same arithmetic as the class's PyTorch path (float32 statistics,
+    cast to ``x``'s dtype before the weight), for norms over slices of a row that are not
+    contiguous on their own (EAGLE-3's norm of each target layer's state)."""
+    return weights * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class ZeroCentredRMSNorm(RMSNorm):

@@ -11,7 +11,8 @@ A :class:`ChainDraftHead` turns ``(token, hidden)`` pairs into a draft hidden st
    leaves no hole however the prompt was chunked.
 2. The first draft comes from each drafting request's last row.
 3. **Chained steps** 2..k: the previous draft token and the head's own output state, one position
-   further, with metadata advanced on the device (:class:`~sonar_core.spec_decode.draft_attention.DraftChain`).
+   further, with every step's metadata worked out once per chain
+   (:class:`~sonar_core.spec_decode.draft_attention.DraftChain`).
 
 Draft ids stay on the device for the whole chain and are read back once. The proposer keeps no
 per-request state: every step's first pass starts from the target's states, so preemption,

@@ -12,6 +12,7 @@ from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.rotary import RopeConfig
+from sonar_core.spec_decode.draft_attention import DraftChain
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 
@@ -125,12 +126,11 @@ def test_sliding_window_matches_reference(context_lens, query_lens, causal, wind
     torch.testing.assert_close(out, scenario.reference(causal, window), rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_mask_from_device_metadata_equals_build():
-    """Chained draft steps build decode metadata on the device; its window mask must agree."""
+def test_sliding_window_mask_of_chained_draft_metadata_equals_build():
+    """Chained draft steps make their metadata without build(); its window mask must agree."""
     positions, tables = [9, 2, 14], [[0, 1, 2], [3], [4, 5, 6, 7]]
     built = AttentionMetadata.build([1, 1, 1], [p + 1 for p in positions], tables, BLOCK, torch.device("cpu"))
-    padded = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
-    device = AttentionMetadata.decode_rows(torch.tensor(positions), padded, BLOCK, max_seq_len=15)
+    device = DraftChain(positions, positions, tables, BLOCK, "cpu").metadata()
     assert torch.equal(device.window_mask(4), built.window_mask(4))
     assert device.window_mask(4)[:, 0, 0].sum(-1).tolist() == [4, 3, 4]
     # A window that covers every key adds no mask term.

@@ -24,6 +24,7 @@ from sonar_core.layers import (
 )
 from sonar_core.layers.direct_layers import DirectLayer, run_with_attention_input
 from sonar_core.layers.linear import Linear
+from sonar_core.layers.norms import rms_norm_per_group
 from sonar_core.models.base import TargetModules
 from sonar_core.spec_decode.chain_proposer import ChainDraftHead
 from sonar_core.spec_decode.proposer import TargetHiddenStates
@@ -159,8 +160,10 @@ class Eagle3Head(_EagleHead):
         if self.layout.norm_before_fc:
             fused = self.input_norm(fused)
         if self.layout.fc_norm:
-            chunks = fused.split(self.layout.target_hidden_size, dim=-1)
-            fused = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+            rows, groups = fused.shape[0], len(self.fc_norm)
+            weights = torch.stack([norm.weight for norm in self.fc_norm])
+            grouped = fused.view(rows, groups, self.layout.target_hidden_size)
+            fused = rms_norm_per_group(grouped, weights, self.fc_norm[0].eps).view(rows, -1)
         return self.fc(fused)
 
     def forward(
@@ -174,8 +177,9 @@ class Eagle3Head(_EagleHead):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.embed(token_ids)
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        y = self.layers[0](embeds, hidden, cos, sin, kv_caches[0], metadata)
-        for layer, kv_cache in zip(self.layers[1:], kv_caches[1:], strict=True):
+        first, *rest = self.layers  # (slicing a ModuleList builds a new module on every pass)
+        y = first(embeds, hidden, cos, sin, kv_caches[0], metadata)
+        for layer, kv_cache in zip(rest, kv_caches[1:], strict=True):
             y = layer(y, cos, sin, kv_cache, metadata)
         normed = self.norm(y)
         return normed, (normed if self.layout.norm_output else y)
