@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
+
+from sonar_core.models.tokenizer_snapshot import SnapshotTokenizer
 
 # Decoding a token sequence that ends inside a UTF-8 character yields this replacement character.
 _INCOMPLETE = "\ufffd"
@@ -96,10 +99,12 @@ def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[lis
 
 
 def _rust_tokenizer(tokenizer: Any) -> Any | None:
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
+    if isinstance(tokenizer, SnapshotTokenizer):  # its decode is the Rust call already
+        return tokenizer.backend_tokenizer
+    if "transformers" not in sys.modules:  # not a transformers tokenizer, and none is imported for it
         return None
+    from transformers import PreTrainedTokenizerFast
+
     kind = type(tokenizer)
     if (
         not isinstance(tokenizer, PreTrainedTokenizerFast)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_core.layers.decoder import DecoderLayerConfig
+from sonar_core.models import hf_config_cache
 from sonar_core.models.registry import register_architecture
 from sonar_core.models.transformer import DecoderOnlyLM
 
@@ -85,14 +86,21 @@ LAYER_FAMILIES: dict[str, type[DecoderOnlyLM]] = {
 def hf_config_from_dict(config: dict[str, Any]) -> Any:
     """A transformers config object of ``config``'s ``model_type`` (defaults filled the way the
     family's own checkpoints get them); extra keys stay attributes. ValueError when transformers
-    refuses the values."""
-    from transformers import AutoConfig
+    refuses the values. Kept in the config cache, so a later start reads it without transformers."""
+    model_type = config.get("model_type", "llama")
+    values = {
+        key: value for key, value in config.items() if key not in ("model_type", "transformers_version")
+    }
 
-    values = {key: value for key, value in config.items() if key not in ("model_type", "transformers_version")}
-    try:
-        return AutoConfig.for_model(config.get("model_type", "llama"), **values)
-    except Exception as exc:  # transformers' validators raise their own error types
-        raise ValueError(f"transformers refuses the config: {exc}") from exc
+    def build() -> Any:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.for_model(model_type, **values)
+        except Exception as exc:  # transformers' validators raise their own error types
+            raise ValueError(f"transformers refuses the config: {exc}") from exc
+
+    return hf_config_cache.config_of_values({"model_type": model_type, **values}, build)
 
 
 def layer_config_for(hf_config: Any) -> DecoderLayerConfig:

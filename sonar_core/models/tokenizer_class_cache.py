@@ -9,21 +9,36 @@ outside that registry (``TokenizersBackend``). So the first load records the cla
 directly gives the same tokenizer (type, init arguments, Rust tokenizer and chat template compared),
 and later loads import and call it directly. Classes inside the registry, or from a repository's own
 code, are not recorded: loading them needs the registry (or the code) anyway.
+
+The entry also keeps a :mod:`~sonar_core.models.tokenizer_snapshot` of the tokenizer where one
+answers exactly as it does: later starts then load no transformers at all, and the class recorded
+here (or ``AutoTokenizer``) loads the tokenizer itself only when something beyond the snapshot is
+asked of it.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from sonar_core.model_files import cache_root, cached_json, file_cache_key, file_identity
-from sonar_core.models.hf_config_cache import is_rebuilt, read_with_auto_config
+from sonar_core.models.hf_config_cache import is_rebuilt, read_with_auto_config, transformers_config
+from sonar_core.models.tokenizer_snapshot import SnapshotTokenizer, TokenizerSnapshot, take_snapshot
 
 # Bumped when what an entry holds changes, so that older entries are not read as new ones.
-_FORMAT = "1"
+_FORMAT = "2"
+# Files of a model folder a tokenizer is read from besides tokenizer_config.json and config.json.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def load_with_auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
@@ -32,13 +47,36 @@ def load_with_auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bo
     if not (model_dir / "tokenizer_config.json").is_file():
         return _auto_tokenizer(model_dir, config, trust_remote_code)
     picked: list[Any] = []
+    path = entry_path(model_dir)
 
-    def resolve() -> dict[str, str] | None:
+    def resolve() -> dict[str, Any] | None:
         picked.append(_auto_tokenizer(model_dir, config, trust_remote_code))
-        return _direct_entry(picked[0], model_dir)
+        direct = _direct_entry(picked[0], model_dir)
+        load_full = _full_loader(direct, model_dir, config, trust_remote_code)
+        snapshot = take_snapshot(picked[0], path.with_suffix(".tokenizer.json"), str(model_dir), load_full)
+        if direct is None and snapshot is None:
+            return None
+        return {"direct": direct, "snapshot": snapshot.to_json() if snapshot is not None else None}
 
-    entry = cached_json(entry_path(model_dir), resolve)
-    return picked[0] if picked else _load_directly(entry, model_dir)
+    entry = cached_json(path, resolve)
+    if picked:
+        return picked[0]
+    load_full = _full_loader(entry["direct"], model_dir, config, trust_remote_code)
+    if entry["snapshot"] is not None:
+        snapshot = TokenizerSnapshot.from_json(entry["snapshot"], path.parent)
+        if snapshot.backend_file.is_file():
+            return SnapshotTokenizer(snapshot, str(model_dir), load_full)
+    return load_full()
+
+
+def _full_loader(
+    direct: dict[str, str] | None, model_dir: Path, config: Any, trust_remote_code: bool
+) -> partial[Any]:
+    """How the transformers tokenizer itself is loaded: its recorded class, else ``AutoTokenizer``
+    (a picklable call, since a snapshot tokenizer travels to other processes with it)."""
+    if direct is not None:
+        return partial(_load_directly, direct, model_dir)
+    return partial(_auto_tokenizer, model_dir, config, trust_remote_code)
 
 
 def _auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
@@ -46,8 +84,12 @@ def _auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> An
     from the cache (a base-class config) is replaced by the family's own."""
     from transformers import AutoTokenizer
 
-    if config is not None and is_rebuilt(config) and _class_follows_config_class(model_dir):
-        config = read_with_auto_config(model_dir)
+    if config is not None and is_rebuilt(config):
+        config = (
+            read_with_auto_config(model_dir)
+            if _class_follows_config_class(model_dir)
+            else transformers_config(config)
+        )
     return AutoTokenizer.from_pretrained(
         str(model_dir), config=config, local_files_only=True, trust_remote_code=trust_remote_code
     )
@@ -66,13 +108,15 @@ def _class_follows_config_class(model_dir: Path) -> bool:
 
 
 def entry_path(model_dir: Path) -> Path:
-    """Where the entry for ``model_dir`` is kept: keyed by tokenizer_config.json and config.json
-    (their path, size and modification time; the config's model_type takes part in the choice)
-    and the transformers version."""
-    config = model_dir / "config.json"
-    config_identity = json.dumps(file_identity(config) if config.is_file() else None)
-    tokenizer_config = model_dir / "tokenizer_config.json"
-    key = file_cache_key(tokenizer_config, config_identity, version("transformers"), _FORMAT)
+    """Where the entry for ``model_dir`` is kept: keyed by tokenizer_config.json, config.json (the
+    config's model_type takes part in the choice) and the other tokenizer files (their path, size
+    and modification time), and the versions of transformers, tokenizers and jinja2 (the snapshot
+    is the Rust tokenizer's serialisation and renders templates with jinja2). The snapshot's Rust
+    tokenizer is kept beside it, under the same name ending in ``.tokenizer.json``."""
+    files = [model_dir / "config.json", *(model_dir / name for name in _TOKENIZER_FILES)]
+    identities = json.dumps([file_identity(file) if file.is_file() else None for file in files])
+    versions = [version(package) for package in ("transformers", "tokenizers", "jinja2")]
+    key = file_cache_key(model_dir / "tokenizer_config.json", identities, *versions, _FORMAT)
     return cache_root() / "tokenizer-class" / f"{key}.json"
 
 

@@ -371,3 +371,19 @@ class CheckpointFactory:
             build_truncated_draft(target_dir, partial, num_layers)
             partial.rename(folder)
         return folder
+
+
+def load_default_model_tokenizer() -> Any:
+    """The embedded default model's tokenizer (SmolLM2's byte-level BPE with its chat template),
+    as transformers reads it from the GGUF file; skips the calling test where the model is not
+    installed."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from sonar_core.model_files import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model is not installed")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -15,7 +15,11 @@ from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.sequence import Sequence
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.outputs import ListView, RequestMetrics
-from sonar_core.testing.checkpoints import build_bytelevel_tokenizer, training_corpus
+from sonar_core.testing.checkpoints import (
+    build_bytelevel_tokenizer,
+    load_default_model_tokenizer,
+    training_corpus,
+)
 
 # Accented, CJK and emoji text: characters of 2, 3 and 4 UTF-8 bytes, split across tokens.
 MIXED_TEXTS = [
@@ -104,16 +108,7 @@ def sentencepiece():
 
 @pytest.fixture(scope="module")
 def default_model_tokenizer():
-    """The embedded default model's tokenizer (SmolLM2's byte-level BPE), read from its GGUF file."""
-    from transformers import AutoTokenizer
-
-    from sonar_core.model_files import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError:
-        pytest.skip("the default model is not installed")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return load_default_model_tokenizer()
 
 
 def _streams(tokenizer, seed: int) -> list[tuple[list[int], list[int]]]:

@@ -1,0 +1,253 @@
+"""A tokenizer that serves the engine without importing transformers.
+
+Importing transformers takes 0.6-0.8 s of an engine's start on a 2-core machine (its package
+``__init__`` and its dependency checks), a fifth of the whole start of the embedded model. For a
+fast tokenizer whose encoding and decoding are transformers' generic ones, what the engine asks of
+a tokenizer (encode a prompt, decode tokens, render a plain conversation through the chat
+template, the special token ids) is the Rust tokenizer of the ``tokenizers`` package, the special
+tokens and the template. So when transformers has loaded a tokenizer, :func:`take_snapshot` keeps
+those three, after checking that they answer a set of probes exactly as the tokenizer does, and
+later starts build a :class:`SnapshotTokenizer` from them. Whatever else is asked of it (batch
+calls, tensors, tools in a chat, any other attribute) is answered by the transformers tokenizer
+itself, loaded on first need, so a snapshot never answers differently from the tokenizer it
+stands for; it is only faster to start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from sonar_core.models.chat_template import is_plain_conversation, render_chat_template
+
+# Token ids a tokenizer exposes as attributes (None where it has no such token).
+_ID_ATTRIBUTES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+# Transformers' methods a snapshot stands in for: a class that overrides any of them encodes,
+# decodes or renders differently from the generic fast tokenizer, and is not snapshotted.
+_GENERIC_METHODS = ("encode", "_encode_plus", "decode", "_decode", "apply_chat_template", "__len__")
+# Texts whose encodings, and conversations whose renderings, a snapshot must reproduce.
+_PROBE_TEXTS = (
+    "",
+    "Hello, world!",
+    "  leading spaces, trailing spaces  ",
+    "don't stop . , ! ? ; : ( ) 'quotes' \"double\"",
+    "def f(x):\n\treturn x  # tab and newline\n\n\nend",
+    "naïve café, Größe, 東京, Привет, مرحبا, 🙂👍🏽",
+    "1234567890 3.14159 -42 1e-9 0x1f",
+)
+_PROBE_CONVERSATIONS = (
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Tell me a fact about 東京 🙂"},
+    ],
+    [
+        {"role": "user", "content": "  spaced  \n\nlines\t"},
+        {"role": "assistant", "content": "ok", "name": None},
+    ],
+)
+
+
+@dataclass(frozen=True)
+class TokenizerSnapshot:
+    """What a :class:`SnapshotTokenizer` needs, as JSON data plus the Rust tokenizer's file."""
+
+    backend_file: Path  # the Rust tokenizer as transformers configured it (``to_str()``)
+    split_special_tokens: bool
+    special_tokens_map: dict[str, Any]
+    token_ids: dict[str, int | None]
+    chat_template: str | None
+    length: int
+    model_max_length: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry kept in the cache (the Rust tokenizer's file is written beside it)."""
+        return {
+            "backend_file": self.backend_file.name,
+            "split_special_tokens": self.split_special_tokens,
+            "special_tokens_map": self.special_tokens_map,
+            "token_ids": self.token_ids,
+            "chat_template": self.chat_template,
+            "length": self.length,
+            "model_max_length": self.model_max_length,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], folder: Path) -> TokenizerSnapshot:
+        return cls(**{**data, "backend_file": folder / data["backend_file"]})
+
+
+class SnapshotTokenizer:
+    """A transformers fast tokenizer's answers to the engine's calls, from a snapshot; every other
+    attribute and call goes to the transformers tokenizer itself (``load_full``, called once)."""
+
+    def __init__(self, snapshot: TokenizerSnapshot, name_or_path: str, load_full: Callable[[], Any]) -> None:
+        self._snapshot = snapshot
+        self._load_full = load_full
+        self._full: Any = None
+        self.backend_tokenizer = Tokenizer.from_file(str(snapshot.backend_file))
+        self.backend_tokenizer.encode_special_tokens = snapshot.split_special_tokens
+        self.name_or_path = name_or_path
+        self.special_tokens_map = dict(snapshot.special_tokens_map)
+        self.chat_template = snapshot.chat_template
+        self.model_max_length = snapshot.model_max_length
+        for name, value in snapshot.token_ids.items():
+            setattr(self, name, value)
+
+    @property
+    def full_tokenizer(self) -> Any:
+        """The transformers tokenizer this snapshot stands for (imports transformers on first use)."""
+        if self._full is None:
+            self._full = self._load_full()
+        return self._full
+
+    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if kwargs or type(text) is not str:
+            return self.full_tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        if type(token_ids) is int:
+            token_ids = [token_ids]
+        if kwargs or type(token_ids) is not list or not all(type(token) is int for token in token_ids):
+            return self.full_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        conversation: Any,
+        *args: Any,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        if (
+            args
+            or kwargs
+            or tokenize
+            or self.chat_template is None
+            or not is_plain_conversation(conversation)
+        ):
+            return self.full_tokenizer.apply_chat_template(
+                conversation, *args, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        return render_chat_template(
+            self.chat_template, conversation, add_generation_prompt, self.special_tokens_map
+        )
+
+    def __len__(self) -> int:
+        return self._snapshot.length
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.full_tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_snapshot", "_load_full", "_full"):
+            raise AttributeError(name)
+        return getattr(self.full_tokenizer, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SnapshotTokenizer, (self._snapshot, self.name_or_path, self._load_full))
+
+    def __repr__(self) -> str:
+        return f"SnapshotTokenizer(name_or_path={self.name_or_path!r}, vocab_size={len(self)})"
+
+
+def take_snapshot(
+    tokenizer: Any, backend_file: Path, name_or_path: str, load_full: Callable[[], Any]
+) -> TokenizerSnapshot | None:
+    """A snapshot of a loaded transformers ``tokenizer`` whose Rust tokenizer is written to
+    ``backend_file``, when the snapshot answers every probe exactly as ``tokenizer`` does; None for
+    a tokenizer whose class encodes, decodes or renders in its own way."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or any(
+        getattr(kind, name) is not getattr(TokenizersBackend, name) for name in _GENERIC_METHODS
+    ):
+        return None
+    if _cleans_up_spaces(tokenizer) or not isinstance(tokenizer.split_special_tokens, bool):
+        return None
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:  # no template, or several with no default: transformers' errors apply
+        template = None
+    tokenizer.encode("")  # settles the Rust tokenizer's truncation and padding as encoding leaves them
+    backend_file.parent.mkdir(parents=True, exist_ok=True)
+    backend_file.write_text(tokenizer.backend_tokenizer.to_str(), encoding="utf-8")
+    snapshot = TokenizerSnapshot(
+        backend_file=backend_file,
+        split_special_tokens=tokenizer.split_special_tokens,
+        special_tokens_map=dict(tokenizer.special_tokens_map),
+        token_ids={name: getattr(tokenizer, name) for name in _ID_ATTRIBUTES},
+        chat_template=template if isinstance(template, str) else None,
+        length=len(tokenizer),
+        model_max_length=int(tokenizer.model_max_length),
+    )
+    if not answers_like(SnapshotTokenizer(snapshot, name_or_path, load_full), tokenizer):
+        backend_file.unlink(missing_ok=True)
+        return None
+    return snapshot
+
+
+def answers_like(snapshot: SnapshotTokenizer, tokenizer: Any) -> bool:
+    """Whether ``snapshot`` answers the probes (encodings with and without special tokens, decodes
+    of those and of single tokens across the vocabulary, chat renderings) as ``tokenizer`` does."""
+    texts = [*_PROBE_TEXTS, *(str(token) for token in snapshot.special_tokens_map.values())]
+    texts.append(
+        "".join(f"{token} x" for token in snapshot.special_tokens_map.values() if isinstance(token, str))
+    )
+    for text in texts:
+        for special in (True, False):
+            ids = _outcome(tokenizer.encode, text, add_special_tokens=special)
+            if ids != _outcome(snapshot.encode, text, add_special_tokens=special):
+                return False
+            if isinstance(ids, list) and not _decodes_alike(snapshot, tokenizer, ids):
+                return False
+    step = max(1, len(tokenizer) // 257)
+    if not all(_decodes_alike(snapshot, tokenizer, [token]) for token in range(0, len(tokenizer), step)):
+        return False
+    if any(getattr(snapshot, name) != getattr(tokenizer, name) for name in _ID_ATTRIBUTES):
+        return False
+    if snapshot.chat_template is None:
+        return True
+    return all(
+        _outcome(snapshot.apply_chat_template, conversation, tokenize=False, add_generation_prompt=prompt)
+        == _outcome(tokenizer.apply_chat_template, conversation, tokenize=False, add_generation_prompt=prompt)
+        for conversation in _PROBE_CONVERSATIONS
+        for prompt in (True, False)
+    )
+
+
+def _decodes_alike(snapshot: SnapshotTokenizer, tokenizer: Any, ids: list[int]) -> bool:
+    return all(
+        _outcome(snapshot.decode, ids, skip_special_tokens=skip)
+        == _outcome(tokenizer.decode, ids, skip_special_tokens=skip)
+        for skip in (True, False)
+    )
+
+
+def _outcome(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The call's result, or its error's type and message (so that two calls that fail alike
+    compare equal)."""
+    try:
+        return call(*args, **kwargs)
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def _cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether decoding ``tokenizer`` removes spaces before punctuation after the Rust decode
+    (transformers skips that clean-up for BPE models unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+    )
+    return type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or bool(forced)
