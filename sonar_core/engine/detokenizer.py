@@ -99,8 +99,10 @@ def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[lis
 
 
 def _rust_tokenizer(tokenizer: Any) -> Any | None:
-    if isinstance(tokenizer, SnapshotTokenizer):  # its decode is the Rust call already
-        return tokenizer.backend_tokenizer
+    if isinstance(tokenizer, SnapshotTokenizer):
+        if tokenizer.answers_from_snapshot:  # its decode is the Rust call already
+            return tokenizer.backend_tokenizer
+        tokenizer = tokenizer.full_tokenizer
     if "transformers" not in sys.modules:  # not a transformers tokenizer, and none is imported for it
         return None
     from transformers import PreTrainedTokenizerFast

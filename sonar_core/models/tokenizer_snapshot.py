@@ -84,40 +84,59 @@ class TokenizerSnapshot:
 
 
 class SnapshotTokenizer:
-    """A transformers fast tokenizer's answers to the engine's calls, from a snapshot; every other
-    attribute and call goes to the transformers tokenizer itself (``load_full``, called once)."""
+    """A transformers fast tokenizer's answers to the engine's calls, from a snapshot.
+
+    The snapshot answers until something else is asked of the tokenizer (another method, another
+    attribute, an assignment); that loads the transformers tokenizer (``load_full``, once), which
+    answers every call from then on, the engine's included: a call the snapshot does not know may
+    change the tokenizer (added tokens, a new template, padding settings), after which the snapshot
+    would no longer describe it.
+    """
 
     def __init__(self, snapshot: TokenizerSnapshot, name_or_path: str, load_full: Callable[[], Any]) -> None:
-        self._snapshot = snapshot
-        self._load_full = load_full
-        self._full: Any = None
-        self.backend_tokenizer = Tokenizer.from_file(str(snapshot.backend_file))
-        self.backend_tokenizer.encode_special_tokens = snapshot.split_special_tokens
-        self.name_or_path = name_or_path
-        self.special_tokens_map = dict(snapshot.special_tokens_map)
-        self.chat_template = snapshot.chat_template
-        self.model_max_length = snapshot.model_max_length
-        for name, value in snapshot.token_ids.items():
-            setattr(self, name, value)
+        backend = Tokenizer.from_file(str(snapshot.backend_file))
+        backend.encode_special_tokens = snapshot.split_special_tokens
+        served = {
+            "backend_tokenizer": backend,
+            "name_or_path": name_or_path,
+            "chat_template": snapshot.chat_template,
+            "model_max_length": snapshot.model_max_length,
+            **snapshot.token_ids,
+        }
+        self.__dict__.update(_snapshot=snapshot, _load_full=load_full, _full=None, _served=served)
+
+    @property
+    def answers_from_snapshot(self) -> bool:
+        """Whether the snapshot still answers (the transformers tokenizer has not been loaded)."""
+        return self._full is None
 
     @property
     def full_tokenizer(self) -> Any:
-        """The transformers tokenizer this snapshot stands for (imports transformers on first use)."""
+        """The transformers tokenizer this snapshot stands for (imports transformers on first use);
+        once loaded, it answers every call."""
         if self._full is None:
-            self._full = self._load_full()
+            self.__dict__["_full"] = self._load_full()
         return self._full
 
+    @property
+    def special_tokens_map(self) -> dict[str, Any]:
+        if self.answers_from_snapshot:
+            return dict(self._snapshot.special_tokens_map)
+        return self._full.special_tokens_map
+
     def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
-        if kwargs or type(text) is not str:
+        if kwargs or type(text) is not str or not self.answers_from_snapshot:
             return self.full_tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._served["backend_tokenizer"].encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
-        if type(token_ids) is int:
-            token_ids = [token_ids]
-        if kwargs or type(token_ids) is not list or not all(type(token) is int for token in token_ids):
+        native = type(token_ids) is int or (
+            type(token_ids) is list and all(type(token) is int for token in token_ids)
+        )
+        if kwargs or not native or not self.answers_from_snapshot:
             return self.full_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
-        return self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        ids = [token_ids] if type(token_ids) is int else token_ids
+        return self._served["backend_tokenizer"].decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -127,36 +146,44 @@ class SnapshotTokenizer:
         add_generation_prompt: bool = False,
         **kwargs: Any,
     ) -> Any:
-        if (
-            args
-            or kwargs
-            or tokenize
-            or self.chat_template is None
-            or not is_plain_conversation(conversation)
-        ):
+        template = self._snapshot.chat_template
+        native = not (args or kwargs or tokenize) and template is not None and is_plain_conversation(conversation)
+        if not native or not self.answers_from_snapshot:
             return self.full_tokenizer.apply_chat_template(
                 conversation, *args, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
             )
-        return render_chat_template(
-            self.chat_template, conversation, add_generation_prompt, self.special_tokens_map
-        )
+        return render_chat_template(template, conversation, add_generation_prompt, self._snapshot.special_tokens_map)
 
     def __len__(self) -> int:
-        return self._snapshot.length
+        return self._snapshot.length if self.answers_from_snapshot else len(self._full)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.full_tokenizer(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_snapshot", "_load_full", "_full"):
+        if name.startswith("__") or name in ("_snapshot", "_load_full", "_full", "_served"):
             raise AttributeError(name)
+        if self.answers_from_snapshot and name in self._served:
+            return self._served[name]
         return getattr(self.full_tokenizer, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.full_tokenizer, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.full_tokenizer, name)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SnapshotTokenizer, (self._snapshot, self.name_or_path, self._load_full))
+        if not self.answers_from_snapshot:  # the tokenizer may have changed: send it as it is
+            return (_identity, (self._full,))
+        return (SnapshotTokenizer, (self._snapshot, self._served["name_or_path"], self._load_full))
 
     def __repr__(self) -> str:
-        return f"SnapshotTokenizer(name_or_path={self.name_or_path!r}, vocab_size={len(self)})"
+        return f"SnapshotTokenizer(name_or_path={self._served['name_or_path']!r}, vocab_size={len(self)})"
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def take_snapshot(

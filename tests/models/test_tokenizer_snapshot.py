@@ -122,8 +122,26 @@ def test_what_a_snapshot_does_not_answer_goes_to_the_tokenizer(tiny_tokenizer, t
     assert snapshot.get_vocab() == tiny_tokenizer.get_vocab()
     assert snapshot.decode([[5, 6], [7]]) == tiny_tokenizer.decode([[5, 6], [7]])
     assert loads == [1]  # loaded once, on the first call it did not answer
+    assert not snapshot.answers_from_snapshot
     with pytest.raises(AttributeError):
         snapshot.no_such_attribute  # noqa: B018
+
+
+def test_once_loaded_the_tokenizer_answers_everything(tmp_path):
+    """A call the snapshot does not know may change the tokenizer: from then on the transformers
+    tokenizer answers the engine's calls too."""
+    real = build_bytelevel_tokenizer(512)
+    snapshot = _snapshot_of(real, tmp_path)
+    snapshot.add_tokens(["<tool>"])
+    assert snapshot.encode("a <tool> b") == real.encode("a <tool> b")
+    assert len(snapshot) == len(real) == 513
+    assert snapshot.decode(real.encode("<tool>")) == "<tool>"
+    snapshot.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    assert real.chat_template == snapshot.chat_template
+    assert snapshot.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "[x]"
+    snapshot.padding_side = "left"
+    assert real.padding_side == "left"
+    assert type(pickle.loads(pickle.dumps(snapshot))) is type(real)
 
 
 def test_a_snapshot_tokenizer_pickles(tiny_tokenizer, tmp_path):
