@@ -48,9 +48,9 @@ _NOT_COMPARED = frozenset(
 
 
 def read_hf_config(model_dir: Path) -> Any:
-    """The transformers config of ``model_dir``: rebuilt from the cache when an entry for this
-    config.json (its path, size and modification time) and this transformers version exists, else
-    read with ``AutoConfig`` (and cached when a rebuild reproduces it)."""
+    """The transformers config of ``model_dir``: a :class:`CachedConfig` from the entry for this
+    config.json (its path, size and modification time) and this transformers version when there is
+    one, else read with ``AutoConfig`` (and kept when a rebuild reproduces it)."""
     return _cached(entry_path(model_dir), lambda: read_with_auto_config(model_dir))
 
 
