@@ -57,12 +57,18 @@ class ChainDraftHead(nn.Module, ABC):
     target_final_hidden: bool = False
     kv_layers: tuple[KVLayerSpec, ...] = ()
 
+    def __init__(self) -> None:
+        super().__init__()
+        if not self.target_final_hidden and type(self).target_input is ChainDraftHead.target_input:
+            raise TypeError(
+                f"{type(self).__name__} does not read the target's final state (target_final_hidden is "
+                "False), so it must define target_input for the layers it reads"
+            )
+
     def target_input(self, target: TargetHiddenStates, rows: torch.Tensor) -> torch.Tensor:
         """``[R, H]``: the hidden input of the first pass for ``rows`` of the step's flat batch. By
         default the target's final state, for heads that declare ``target_final_hidden`` (EAGLE-1,
-        MTP); heads that read other layers override it."""
-        if not self.target_final_hidden:
-            raise NotImplementedError(f"{type(self).__name__} reads target layers: implement target_input")
+        MTP); heads that read other layers override it (checked when a head is made)."""
         return target.final.index_select(0, rows)
 
     @abstractmethod

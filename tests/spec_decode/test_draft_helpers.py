@@ -139,3 +139,31 @@ def test_speculators_config_reader_and_verifier_names():
     assert spec.verifier_mismatch(same) is None
     other = TargetInfo(("Qwen3ForCausalLM",), "qwen3", 151936, 8192, source="/m/Qwen3-8B/config.json")
     assert "architectures" in spec.verifier_mismatch(other) and "'Qwen3-8B'" in spec.verifier_mismatch(other)
+
+
+def test_a_head_that_reads_other_target_layers_must_say_how():
+    """The first pass's hidden input defaults to the target's final state; a head that declares it
+    does not read that state is refused when it is made, not in the middle of a request."""
+    from sonar_core.spec_decode.chain_proposer import ChainDraftHead
+
+    class Final(ChainDraftHead):
+        target_final_hidden = True
+
+        def forward(self, *args):
+            raise AssertionError("not run")
+
+        def compute_logits(self, out):
+            raise AssertionError("not run")
+
+    class Layers(Final):
+        target_final_hidden = False
+        target_hidden_layers = (1, 2)
+
+    class LayersWithInput(Layers):
+        def target_input(self, target, rows):
+            return target.layers[1].index_select(0, rows)
+
+    Final()
+    LayersWithInput()
+    with pytest.raises(TypeError, match="must define target_input"):
+        Layers()
