@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from sonar_core.models.tokenizer_snapshot import SnapshotTokenizer
+from sonar_core.models.tokenizer_snapshot import rust_decoder
 
 # Decoding a token sequence that ends inside a UTF-8 character yields this replacement character.
 _INCOMPLETE = "\ufffd"
@@ -85,34 +84,12 @@ class IncrementalDetokenizer:
 
 
 def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=...)``; for a Hugging Face fast tokenizer whose
-    decoding is transformers' own and cleans up no spaces, the same call to its Rust tokenizer
-    directly, which is all that decoding does apart from checking its arguments (4-5 times the
-    Rust call's cost for a short window)."""
-    backend = _rust_tokenizer(tokenizer)
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, through the Rust tokenizer directly where
+    that is the same call (:func:`~sonar_core.models.tokenizer_snapshot.rust_decoder`)."""
+    backend = rust_decoder(tokenizer)
     decode = backend.decode if backend is not None else tokenizer.decode
 
     def call(ids: list[int]) -> str:
         return decode(ids, skip_special_tokens=skip_special_tokens)
 
     return call
-
-
-def _rust_tokenizer(tokenizer: Any) -> Any | None:
-    if isinstance(tokenizer, SnapshotTokenizer):
-        if tokenizer.answers_from_snapshot:  # its decode is the Rust call already
-            return tokenizer.backend_tokenizer
-        tokenizer = tokenizer.full_tokenizer
-    if "transformers" not in sys.modules:  # not a transformers tokenizer, and none is imported for it
-        return None
-    from transformers import PreTrainedTokenizerFast
-
-    kind = type(tokenizer)
-    if (
-        not isinstance(tokenizer, PreTrainedTokenizerFast)
-        or kind.decode is not PreTrainedTokenizerFast.decode
-        or kind._decode is not PreTrainedTokenizerFast._decode
-        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    ):
-        return None
-    return getattr(tokenizer, "_tokenizer", None)

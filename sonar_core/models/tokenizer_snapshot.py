@@ -15,6 +15,7 @@ stands for; it is only faster to start.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ _ID_ATTRIBUTES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"
 # Transformers' methods a snapshot stands in for: a class that overrides any of them encodes,
 # decodes or renders differently from the generic fast tokenizer, and is not snapshotted.
 _GENERIC_METHODS = ("encode", "_encode_plus", "decode", "_decode", "apply_chat_template", "__len__")
+# Those of them whose generic code makes ``decode`` the Rust tokenizer's decode.
+_GENERIC_DECODE = ("decode", "_decode")
 # Texts whose encodings, and conversations whose renderings, a snapshot must reproduce.
 _PROBE_TEXTS = (
     "",
@@ -192,14 +195,9 @@ def take_snapshot(
     """A snapshot of a loaded transformers ``tokenizer`` whose Rust tokenizer is written to
     ``backend_file``, when the snapshot answers every probe exactly as ``tokenizer`` does; None for
     a tokenizer whose class encodes, decodes or renders in its own way."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    kind = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend) or any(
-        getattr(kind, name) is not getattr(TokenizersBackend, name) for name in _GENERIC_METHODS
-    ):
+    if not _is_generic(tokenizer, _GENERIC_METHODS) or _cleans_up_spaces(tokenizer):
         return None
-    if _cleans_up_spaces(tokenizer) or not isinstance(tokenizer.split_special_tokens, bool):
+    if not isinstance(tokenizer.split_special_tokens, bool):
         return None
     try:
         template = tokenizer.get_chat_template()
@@ -269,12 +267,36 @@ def _outcome(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return (type(exc).__name__, str(exc))
 
 
-def _cleans_up_spaces(tokenizer: Any) -> bool:
-    """Whether decoding ``tokenizer`` removes spaces before punctuation after the Rust decode
-    (transformers skips that clean-up for BPE models unless forced)."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+def rust_decoder(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer whose ``decode(ids, skip_special_tokens=...)`` is exactly
+    ``tokenizer.decode(ids, skip_special_tokens=...)``, for callers that decode often (transformers'
+    wrapper costs 4-5 times the Rust call on a short window): a snapshot's while it answers, a
+    transformers fast tokenizer's when its decoding is the generic one and cleans up no spaces;
+    None for any other tokenizer."""
+    if isinstance(tokenizer, SnapshotTokenizer):
+        if tokenizer.answers_from_snapshot:
+            return tokenizer.backend_tokenizer
+        tokenizer = tokenizer.full_tokenizer
+    if not _is_generic(tokenizer, _GENERIC_DECODE) or _cleans_up_spaces(tokenizer):
+        return None
+    return tokenizer.backend_tokenizer
+
+
+def _is_generic(tokenizer: Any, methods: tuple[str, ...]) -> bool:
+    """Whether ``tokenizer`` is a transformers fast tokenizer that keeps the generic ``methods``.
+    Without transformers imported, nothing can be one (and nothing imports it for the check)."""
+    if "transformers" not in sys.modules:
         return False
-    forced = getattr(
-        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    return isinstance(tokenizer, TokenizersBackend) and all(
+        getattr(kind, name) is getattr(TokenizersBackend, name) for name in methods
     )
-    return type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or bool(forced)
+
+
+def _cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is set to clean up spaces before punctuation after the Rust decode.
+    (Transformers skips that clean-up for BPE models unless forced, but a tokenizer set to it is
+    taken as cleaning up: only those that plainly do not are decoded through Rust alone.)"""
+    return bool(getattr(tokenizer, "clean_up_tokenization_spaces", True))

@@ -188,7 +188,7 @@ def test_about_one_decode_per_append(bytelevel, text):
 
 
 def test_fast_tokenizers_decode_through_rust_unless_their_decoding_differs(bytelevel, bytelevel_with_cleanup):
-    from sonar_core.engine.detokenizer import _rust_tokenizer
+    from sonar_core.models.tokenizer_snapshot import rust_decoder as _rust_tokenizer
 
     assert _rust_tokenizer(bytelevel) is bytelevel.backend_tokenizer
     assert _rust_tokenizer(bytelevel_with_cleanup) is None  # cleans up spaces in Python
