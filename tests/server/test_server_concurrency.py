@@ -13,6 +13,10 @@ from sonar_core.sampling_params import SamplingParams
 
 NUM_CLIENTS = 32
 MAX_TOKENS = 24
+# A client that hangs up asks for a long answer, so that the server is still streaming when the
+# client goes: with MAX_TOKENS a fast machine can finish every request before it notices a hang-up,
+# and then no abort is left to check.
+HANG_UP_MAX_TOKENS = 96
 PROMPTS = [
     "The quick brown fox jumps",
     "one two three four five six",
@@ -27,8 +31,10 @@ PROMPTS = [
 
 async def one_client(client: openai.AsyncOpenAI, prompt: str, hang_up_after: int | None) -> str | None:
     """The streamed text, or None when this client hangs up after ``hang_up_after`` chunks."""
+    hangs_up = hang_up_after is not None
     stream = await client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        model="tiny", prompt=prompt, max_tokens=HANG_UP_MAX_TOKENS if hangs_up else MAX_TOKENS, temperature=0,
+        stream=True, extra_body={"ignore_eos": True} if hangs_up else None,
     )
     pieces: list[str] = []
     async for chunk in stream:
