@@ -37,6 +37,37 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+class CachedSteps:
+    """Our model with ``batch`` sequences of ``context`` cached tokens, ready to time steps of ``q``
+    new tokens each (the KV written by a step is overwritten by the next, so every step sees the
+    same cache)."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, dtype: torch.dtype, context: int,
+                 max_new_tokens: int, batch: int = 1) -> None:
+        self.model, self.context, self.batch = model, context, batch
+        longest = context + max_new_tokens
+        self.ids = torch.randint(0, vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
+        self.block_size = 16
+        width = -(-longest // self.block_size)
+        self.tables = [list(range(row * width, (row + 1) * width)) for row in range(batch)]
+        self.caches = allocate_kv_cache(model.kv_cache_specs(), width * batch, self.block_size, dtype, "cpu")
+        with torch.inference_mode():
+            for table in self.tables:  # every sequence caches the same context
+                metadata = AttentionMetadata.build([context], [context], [table], self.block_size, torch.device("cpu"))
+                model(self.ids[:context], metadata.positions, self.caches, metadata)
+
+    @torch.inference_mode()
+    def step(self, q: int, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """One step of ``q`` new tokens per sequence, logits included (``model``: another copy of
+        the same weights, such as one loaded with the kernels off)."""
+        model = model if model is not None else self.model
+        meta = AttentionMetadata.build(
+            [q] * self.batch, [self.context + q] * self.batch, self.tables, self.block_size, torch.device("cpu")
+        )
+        hidden = model(self.ids[self.context : self.context + q].repeat(self.batch), meta.positions, self.caches, meta)
+        return model.compute_logits(hidden)
+
+
 def compare(
     model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int, batch: int = 1
 ) -> list[tuple[int, float, float, float, float]]:
@@ -50,45 +81,32 @@ def compare(
     with cpu_kernels.disabled():
         ours_without_kernels = load_model(model, dtype, "cpu").model
     theirs = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=dtype).eval()
-    longest = context + max(new_tokens)
     vocab_size = loaded.hf_config.get_text_config(decoder=True).vocab_size
-    ids = torch.randint(0, vocab_size, (longest,), generator=torch.Generator().manual_seed(0))
-    block_size = 16
-    width = -(-longest // block_size)
-    tables = [list(range(row * width, (row + 1) * width)) for row in range(batch)]
-    caches = allocate_kv_cache(ours.kv_cache_specs(), width * batch, block_size, dtype, "cpu")
+    steps_of = CachedSteps(ours, vocab_size, dtype, context, max(new_tokens), batch)
+    ids = steps_of.ids
     results = []
     with torch.inference_mode():
-        for table in tables:  # every sequence caches the same context
-            metadata = AttentionMetadata.build([context], [context], [table], block_size, torch.device("cpu"))
-            ours(ids[:context], metadata.positions, caches, metadata)
         cache = DynamicCache(config=theirs.config)
         theirs(ids[None, :context].expand(batch, -1), past_key_values=cache, use_cache=True)
 
         for q in new_tokens:
-            step_ids = ids[context : context + q]
 
-            def ours_step(
-                q: int = q, step_ids: torch.Tensor = step_ids, model: torch.nn.Module = ours
-            ) -> torch.Tensor:
-                meta = AttentionMetadata.build(
-                    [q] * batch, [context + q] * batch, tables, block_size, torch.device("cpu")
-                )
-                hidden = model(step_ids.repeat(batch), meta.positions, caches, meta)
-                return model.compute_logits(hidden)
+            def ours_step(q: int = q) -> torch.Tensor:
+                return steps_of.step(q)
 
-            def theirs_step(q: int = q, step_ids: torch.Tensor = step_ids) -> torch.Tensor:
+            def theirs_step(q: int = q) -> torch.Tensor:
+                step_ids = ids[context : context + q]
                 logits = theirs(step_ids[None].expand(batch, -1), past_key_values=cache, use_cache=True).logits
                 cache.crop(-q)  # back to `context` cached tokens
                 return logits
 
-            def ours_through_modules() -> torch.Tensor:
+            def ours_through_modules(q: int = q) -> torch.Tensor:
                 with through_modules():
-                    return ours_step()
+                    return steps_of.step(q)
 
-            def ours_on_pytorch_ops() -> torch.Tensor:
+            def ours_on_pytorch_ops(q: int = q) -> torch.Tensor:
                 with cpu_kernels.disabled():
-                    return ours_step(model=ours_without_kernels)
+                    return steps_of.step(q, ours_without_kernels)
 
             steps = (ours_step, ours_through_modules, ours_on_pytorch_ops, theirs_step)
             for _ in range(3):
