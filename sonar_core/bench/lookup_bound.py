@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_core.spec_decode.prompt_lookup import TOKEN_DTYPE, find_draft, find_match_end
+from sonar_core.spec_decode.prompt_lookup import TOKEN_DTYPE, draft_after, find_match_end
 
 # depth(n, drafts, answer_continuation) -> how many of the drafts to verify
 DepthPolicy = Callable[[int, np.ndarray, Sequence[int]], int]
@@ -85,8 +85,8 @@ def replay(
         done = 0
         while done < len(answer):
             context = sequence[: len(prompt) + done]
-            _, n = find_match_end(context, min_n, max_n)
-            drafts = find_draft(context, min_n, max_n, max_depth)
+            end, n = find_match_end(context, min_n, max_n)
+            drafts = draft_after(context, end, max_depth)
             continuation = answer[done:]
             verified_here = min(depth(n, drafts, continuation), len(drafts))
             emitted = min(accepted_prefix(drafts[:verified_here], continuation) + 1, len(continuation))

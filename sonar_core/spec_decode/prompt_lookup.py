@@ -66,7 +66,13 @@ def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray
     if k <= 0:
         return _EMPTY
     end, _ = find_match_end(tokens, min_n, max_n)
-    if end < 0:
+    return draft_after(tokens, end, k)
+
+
+def draft_after(tokens: np.ndarray, end: int, k: int) -> np.ndarray:
+    """The ``k`` tokens that follow the occurrence ending at ``end`` (:func:`find_match_end`'s),
+    copied on from the draft itself past the sequence's end; empty for no occurrence (``end < 0``)."""
+    if end < 0 or k <= 0:
         return _EMPTY
     period = tokens.shape[0] - 1 - end
     return tokens[end + 1 + np.arange(k) % period]
