@@ -25,20 +25,13 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from sonar_core.hub import TOKENIZER_FILES
 from sonar_core.model_files import cache_root, cached_json, file_cache_key, file_identity
 from sonar_core.models.hf_config_cache import is_rebuilt, read_with_auto_config, transformers_config
 from sonar_core.models.tokenizer_snapshot import SnapshotTokenizer, TokenizerSnapshot, take_snapshot
 
 # Bumped when what an entry holds changes, so that older entries are not read as new ones.
 _FORMAT = "2"
-# Files of a model folder a tokenizer is read from besides tokenizer_config.json and config.json.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def load_with_auto_tokenizer(model_dir: Path, config: Any, trust_remote_code: bool) -> Any:
@@ -109,11 +102,12 @@ def _class_follows_config_class(model_dir: Path) -> bool:
 
 def entry_path(model_dir: Path) -> Path:
     """Where the entry for ``model_dir`` is kept: keyed by tokenizer_config.json, config.json (the
-    config's model_type takes part in the choice) and the other tokenizer files (their path, size
-    and modification time), and the versions of transformers, tokenizers and jinja2 (the snapshot
-    is the Rust tokenizer's serialisation and renders templates with jinja2). The snapshot's Rust
-    tokenizer is kept beside it, under the same name ending in ``.tokenizer.json``."""
-    files = [model_dir / "config.json", *(model_dir / name for name in _TOKENIZER_FILES)]
+    config's model_type takes part in the choice) and every other file a tokenizer is read from
+    (the Hub's ``TOKENIZER_FILES``; their path, size and modification time), and the versions of
+    transformers, tokenizers and jinja2 (the snapshot is the Rust tokenizer's serialisation and
+    renders templates with jinja2). The snapshot's Rust tokenizer is kept beside it, under the same
+    name ending in ``.tokenizer.json``."""
+    files = [model_dir / name for name in ("config.json", *sorted(TOKENIZER_FILES - {"tokenizer_config.json"}))]
     identities = json.dumps([file_identity(file) if file.is_file() else None for file in files])
     versions = [version(package) for package in ("transformers", "tokenizers", "jinja2")]
     key = file_cache_key(model_dir / "tokenizer_config.json", identities, *versions, _FORMAT)
