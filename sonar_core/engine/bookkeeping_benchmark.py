@@ -40,14 +40,14 @@ TEXT = (
 
 
 def load_tokenizer(path: str | None) -> Any:
-    from transformers import AutoTokenizer
-
     if path is not None:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     from sonar_core.model_files import default_model_path
+    from sonar_core.models.gguf import gguf_tokenizer
 
-    gguf = default_model_path()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return gguf_tokenizer(default_model_path())
 
 
 def measure(tokenizer: Any, length: int, batch: int, logprobs: bool, seed: int = 0) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from sonar_core.model_files import cache_root, cached_folder, file_cache_key, file_identity
 
@@ -42,16 +43,23 @@ def convert_gguf(gguf_path: Path) -> Path:
     return cached_folder(dest, lambda partial: _write_hf_folder(gguf_path, partial), is_converted)
 
 
+def gguf_tokenizer(gguf_path: Path) -> Any:
+    """The tokenizer transformers' GGUF reader makes of ``gguf_path`` (vocabulary, merges, special
+    tokens and chat template from its metadata)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
 def _write_hf_folder(gguf_path: Path, out: Path) -> None:
     """Dequantize ``gguf_path`` with transformers' GGUF reader and save it as a HF folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if getattr(model, "hf_quantizer", None) is not None:
         # Otherwise config.json keeps a quantization_config pointing at the GGUF file.
         model.hf_quantizer.remove_quantization_config(model)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = gguf_tokenizer(gguf_path)
     tokenizer.model_max_length = model.config.max_position_embeddings
     if model.generation_config.eos_token_id is None and tokenizer.eos_token_id is not None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -378,12 +378,12 @@ def load_default_model_tokenizer() -> Any:
     as transformers reads it from the GGUF file; skips the calling test where the model is not
     installed."""
     import pytest
-    from transformers import AutoTokenizer
 
     from sonar_core.model_files import default_model_path
+    from sonar_core.models.gguf import gguf_tokenizer
 
     try:
         path = default_model_path()
     except FileNotFoundError:
         pytest.skip("the default model is not installed")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return gguf_tokenizer(path)
