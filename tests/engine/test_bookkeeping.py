@@ -188,18 +188,18 @@ def test_about_one_decode_per_append(bytelevel, text):
 
 
 def test_fast_tokenizers_decode_through_rust_unless_their_decoding_differs(bytelevel, bytelevel_with_cleanup):
-    from sonar_core.models.tokenizer_snapshot import rust_decoder as _rust_tokenizer
+    from sonar_core.models.tokenizer_snapshot import rust_decoder
 
-    assert _rust_tokenizer(bytelevel) is bytelevel.backend_tokenizer
-    assert _rust_tokenizer(bytelevel_with_cleanup) is None  # cleans up spaces in Python
-    assert _rust_tokenizer(_CountingTokenizer(bytelevel)) is None
+    assert rust_decoder(bytelevel) is bytelevel.backend_tokenizer
+    assert rust_decoder(bytelevel_with_cleanup) is None  # cleans up spaces in Python
+    assert rust_decoder(_CountingTokenizer(bytelevel)) is None
 
     class Custom(type(bytelevel)):
         def _decode(self, token_ids, **kwargs):
             return "custom"
 
     custom = Custom(tokenizer_object=bytelevel.backend_tokenizer)
-    assert _rust_tokenizer(custom) is None
+    assert rust_decoder(custom) is None
     assert IncrementalDetokenizer(custom, [1]).append([40]) == ""  # its own decode, "custom" both times
 
 
