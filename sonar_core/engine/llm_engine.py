@@ -325,11 +325,12 @@ class LLMEngine:
         self.scheduler.cache_full_blocks(sched)
         proposing = time.monotonic()
         num_drafted = self._propose(sched, run, result.num_accepted)
+        proposed = time.monotonic()
         self.timing.target_s += verified - now
-        self.timing.propose_s += time.monotonic() - proposing
+        self.timing.propose_s += proposed - proposing
         self.timing.steps += 1
         if self.speculator is not None:
-            self.speculator.observe_step(sched.num_tokens, num_drafted, time.monotonic() - now)
+            self.speculator.observe_step(sched.num_tokens, num_drafted, proposed - now, proposed - proposing)
         finished_at = time.monotonic()
         for seq, _, _ in updates:
             if seq.finish_reason is not None:

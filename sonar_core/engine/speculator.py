@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.proposer import (
+    DraftProposal,
     ProposalRequest,
     ProposeBatch,
     Proposer,
@@ -32,6 +34,21 @@ class ProposeItem:
     partial_prefill: bool
     # The request ended this step (a stop or its length): these are its last rows.
     finished: bool = False
+
+
+@dataclass
+class _WholeDraft:
+    """A free-drafts proposer's whole draft for a request, before auto depth cut it."""
+
+    tokens: list[int]
+    source: Hashable
+    # Where the draft starts in the request's tokens.
+    position: int
+
+
+def _drafting(items: list[ProposeItem]) -> list[int]:
+    """Indices of the items that go on sampling next step (not mid-prefill, not finished)."""
+    return [i for i, item in enumerate(items) if not item.partial_prefill and not item.finished]
 
 
 class Speculator:
@@ -69,6 +86,7 @@ class Speculator:
         self.device = device
         self.depth = AdaptiveDepth(self.num_speculative_tokens) if adaptive_depth else None
         self._known: set[str] = set()
+        self._free_drafts: dict[str, _WholeDraft] = {}
 
     def draft_budget(self, seq: Sequence, max_model_len: int) -> int:
         """How many drafts a request may get this step.
@@ -101,8 +119,10 @@ class Speculator:
         position once.
         """
         budgets = [item.budget for item in items]
-        if self.depth is not None:
-            drafting = [i for i, item in enumerate(items) if not item.partial_prefill and not item.finished]
+        if self._cuts_free_drafts:
+            self._observe_free_draft_outcomes(items)
+        elif self.depth is not None:
+            drafting = _drafting(items)
             chosen = self.depth.choose([items[i].seq.request_id for i in drafting], [budgets[i] for i in drafting])
             for i, budget in zip(drafting, chosen, strict=True):
                 budgets[i] = budget
@@ -139,25 +159,65 @@ class Speculator:
         )
         with self.attention_backend.active(self.device):
             proposal = self.proposer.propose(batch)
-        offset = 0
-        for item, request, tokens in zip(items, requests, proposal.token_ids, strict=True):
+        drafts = proposal.token_ids
+        for request, tokens in zip(requests, drafts, strict=True):
             if len(tokens) > request.max_draft_tokens:
                 raise RuntimeError(
                     f"proposer {type(self.proposer).__name__} returned {len(tokens)} drafts for request "
                     f"{request.request_id}, more than its max_draft_tokens={request.max_draft_tokens}"
                 )
+        if self._cuts_free_drafts:
+            drafts = self._cut_free_drafts(items, proposal)
+        offset = 0
+        for item, tokens in zip(items, drafts, strict=True):
             item.seq.draft_token_ids = list(tokens)
             if proposal.probs is not None:
                 item.seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
             offset += len(tokens)
 
+    @property
+    def _cuts_free_drafts(self) -> bool:
+        """Auto depth with a proposer whose whole drafts cost nothing: draft, then cut."""
+        return self.depth is not None and self.capabilities.free_drafts
+
+    def _cut_free_drafts(self, items: list[ProposeItem], proposal: DraftProposal) -> list[list[int]]:
+        """Each request's drafts cut to the depth that pays for their source; the whole drafts are
+        kept until the next step shows how far the request's tokens followed them."""
+        assert self.depth is not None
+        if proposal.sources is None:
+            raise RuntimeError(
+                f"proposer {type(self.proposer).__name__} declares free_drafts but returned no sources"
+            )
+        drafts = [list(tokens) for tokens in proposal.token_ids]
+        drafting = _drafting(items)
+        chosen = self.depth.choose(
+            [items[i].seq.request_id for i in drafting],
+            [len(drafts[i]) for i in drafting],
+            [proposal.sources[i] for i in drafting],
+        )
+        for i, depth in zip(drafting, chosen, strict=True):
+            seq = items[i].seq
+            if drafts[i]:
+                self._free_drafts[seq.request_id] = _WholeDraft(drafts[i], proposal.sources[i], seq.num_tokens)
+            drafts[i] = drafts[i][:depth]
+        return drafts
+
+    def _observe_free_draft_outcomes(self, items: list[ProposeItem]) -> None:
+        """Score each request's last whole draft against the tokens it emitted since."""
+        assert self.depth is not None
+        for item in items:
+            whole = self._free_drafts.pop(item.seq.request_id, None)
+            if whole is not None:
+                emitted = item.seq.token_slice(whole.position, whole.position + len(whole.tokens))
+                self.depth.observe_outcome(item.seq.request_id, whole.tokens, emitted, whole.source)
+
     def observe_verification(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        if self.depth is not None:
+        if self.depth is not None and not self.capabilities.free_drafts:
             self.depth.observe_verification(seq.request_id, num_drafted, num_accepted)
 
-    def observe_step(self, num_target_tokens: int, num_drafted: int, seconds: float) -> None:
+    def observe_step(self, num_target_tokens: int, num_drafted: int, seconds: float, propose_seconds: float) -> None:
         if self.depth is not None:
-            self.depth.observe_step(num_target_tokens, num_drafted, seconds)
+            self.depth.observe_step(num_target_tokens, num_drafted, seconds, propose_seconds)
 
     def release(self, seq: Sequence) -> str | None:
         """Forget a request that finished, was aborted or preempted.
@@ -168,6 +228,7 @@ class Speculator:
         """
         if self.depth is not None:
             self.depth.forget(seq.request_id)
+        self._free_drafts.pop(seq.request_id, None)
         if seq.request_id not in self._known:
             return None
         self._known.discard(seq.request_id)

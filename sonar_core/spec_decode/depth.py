@@ -7,11 +7,17 @@ work (``cost``). Adding it raises throughput exactly when ``gain / cost`` beats 
 tokens-per-second ratio, so the policy adds candidate drafts in decreasing order of gain while
 that holds. With a large batch the fixed per-step cost is shared by many requests, the ratio is
 already high, and no draft qualifies: speculation switches itself off.
+
+Acceptance is learned per request and, where the proposer labels its drafts with what they rest on
+(its *source*: prompt lookup's matched n-gram length), per source as well: a draft copied after a
+five-token match is accepted far more often than one after a two-token match, so one rate per
+position would verify too many of the one and too few of the other.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +27,8 @@ logger = logging.getLogger("sonar.spec_decode")
 # Pseudo-counts of the prior that a request's acceptance estimates start from (the batch-wide
 # estimate), so that a new request does not swing on its first few drafts.
 PRIOR_STRENGTH = 4.0
-# Steps of timing data before the cost model is trusted; until then the policy drafts the maximum.
+# Steps of timing data before the cost model is trusted; until then the policy drafts the maximum
+# on every other step.
 WARMUP_STEPS = 8
 # Forgetting factor of the cost model, so that it follows changes in load.
 COST_FORGETTING = 0.97
@@ -44,72 +51,124 @@ class _PositionCounts:
         self.accepted[:num_accepted] += 1
 
 
+class _LinearFit:
+    """seconds ~ intercept + slope * count, by recursive least squares with forgetting."""
+
+    def __init__(self) -> None:
+        self._xtx = np.eye(2) * 1e-6
+        self._xty = np.zeros(2)
+
+    def observe(self, count: int, seconds: float) -> None:
+        x = np.array([1.0, count])
+        self._xtx = COST_FORGETTING * self._xtx + np.outer(x, x)
+        self._xty = COST_FORGETTING * self._xty + x * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        intercept, slope = np.linalg.lstsq(self._xtx, self._xty, rcond=None)[0]
+        return float(intercept), float(slope)
+
+
 class StepCostModel:
     """Step seconds ~ c0 + c1 * target tokens + c2 * drafted tokens, fitted online.
 
-    Recursive least squares with forgetting over the engine's own steps, so the costs are those of
-    this model on this machine under the current load.
+    The target's part of a step (everything but proposing) and the proposer's part are fitted
+    apart, each on its own count: in one fit the two counts move together (a request that drafted
+    k tokens last step verifies k + 1 this step and drafts k again), so the split between them
+    would be arbitrary. Fitted over the engine's own steps, so the costs are those of this model
+    on this machine under the current load.
     """
 
     def __init__(self) -> None:
-        self._xtx = np.eye(3) * 1e-6
-        self._xty = np.zeros(3)
+        self._target = _LinearFit()
+        self._proposer = _LinearFit()
         self.num_steps = 0
 
-    def observe(self, num_target_tokens: int, num_drafted: int, seconds: float) -> None:
-        x = np.array([1.0, num_target_tokens, num_drafted])
-        self._xtx = COST_FORGETTING * self._xtx + np.outer(x, x)
-        self._xty = COST_FORGETTING * self._xty + x * seconds
+    def observe(self, num_target_tokens: int, num_drafted: int, seconds: float, propose_seconds: float) -> None:
+        """One step: ``seconds`` in all, of which ``propose_seconds`` drafting ``num_drafted`` tokens."""
+        self._target.observe(num_target_tokens, seconds - propose_seconds)
+        self._proposer.observe(num_drafted, propose_seconds)
         self.num_steps += 1
 
     def coefficients(self) -> tuple[float, float, float]:
-        c0, c1, c2 = np.linalg.lstsq(self._xtx, self._xty, rcond=None)[0]
+        target_fixed, per_token = self._target.coefficients()
+        proposer_fixed, per_draft = self._proposer.coefficients()
         # Costs cannot be negative; a noisy fit must not make drafting look free.
-        return max(c0, 0.0), max(c1, 1e-9), max(c2, 0.0)
+        return max(target_fixed + proposer_fixed, 0.0), max(per_token, 1e-9), max(per_draft, 0.0)
 
 
 @dataclass
 class AdaptiveDepth:
-    """Chooses each request's draft length for the next step (``depth_policy: auto``)."""
+    """Chooses each request's draft length for the next step (``depth_policy: auto``).
+
+    Estimates shrink towards broader ones: a request's rates for a source towards that source's
+    rates over every request, and those towards the rates of all drafts, so a new request or a
+    rarely seen source starts from what the rest of the traffic measured.
+    """
 
     max_depth: int
     costs: StepCostModel = field(default_factory=StepCostModel)
     _global: _PositionCounts = field(init=False)
-    _requests: dict[str, _PositionCounts] = field(default_factory=dict)
+    _sources: dict[Hashable, _PositionCounts] = field(default_factory=dict)
+    _requests: dict[str, dict[Hashable, _PositionCounts]] = field(default_factory=dict)
     _last_summary: str = ""
 
     def __post_init__(self) -> None:
         self._global = _PositionCounts.zeros(self.max_depth)
 
-    def observe_verification(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        counts = self._requests.setdefault(request_id, _PositionCounts.zeros(self.max_depth))
-        counts.observe(num_drafted, num_accepted)
-        self._global.observe(num_drafted, num_accepted)
+    def observe_verification(
+        self, request_id: str, num_drafted: int, num_accepted: int, source: Hashable = None
+    ) -> None:
+        """Record that ``num_accepted`` of ``num_drafted`` drafts labelled ``source`` were accepted."""
+        for counts in (
+            self._global,
+            self._sources.setdefault(source, _PositionCounts.zeros(self.max_depth)),
+            self._requests.setdefault(request_id, {}).setdefault(source, _PositionCounts.zeros(self.max_depth)),
+        ):
+            counts.observe(num_drafted, num_accepted)
 
-    def observe_step(self, num_target_tokens: int, num_drafted: int, seconds: float) -> None:
-        self.costs.observe(num_target_tokens, num_drafted, seconds)
+    def observe_outcome(
+        self, request_id: str, drafts: Sequence[int], emitted: Sequence[int], source: Hashable = None
+    ) -> None:
+        """Score whole one-hot ``drafts`` against the tokens the request emitted after them, cut or
+        verified alike (such a draft is accepted exactly as often as the target's next token equals
+        it): positions up to the first mismatch, or as many as ``emitted`` covers; later ones are
+        unknown and left out."""
+        matched = 0
+        while matched < min(len(drafts), len(emitted)) and emitted[matched] == drafts[matched]:
+            matched += 1
+        observed = matched + 1 if matched < min(len(drafts), len(emitted)) else matched
+        self.observe_verification(request_id, observed, matched, source)
+
+    def observe_step(self, num_target_tokens: int, num_drafted: int, seconds: float, propose_seconds: float) -> None:
+        self.costs.observe(num_target_tokens, num_drafted, seconds, propose_seconds)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def acceptance(self, request_id: str) -> np.ndarray:
+    def acceptance(self, request_id: str, source: Hashable = None) -> np.ndarray:
         """Estimated probability that each position is accepted given the earlier ones were."""
-        prior = (self._global.accepted + 0.5) / (self._global.reached + 1.0)
-        counts = self._requests.get(request_id)
-        if counts is None:
-            return prior
-        return (counts.accepted + PRIOR_STRENGTH * prior) / (counts.reached + PRIOR_STRENGTH)
+        estimate = (self._global.accepted + 0.5) / (self._global.reached + 1.0)
+        if source is not None:
+            estimate = _shrink(self._sources.get(source), estimate)
+        return _shrink(self._requests.get(request_id, {}).get(source), estimate)
 
-    def choose(self, request_ids: list[str], budgets: list[int]) -> list[int]:
-        """Draft lengths (each at most its budget) that maximise expected tokens per second."""
+    def choose(
+        self, request_ids: list[str], budgets: list[int], sources: Sequence[Hashable] | None = None
+    ) -> list[int]:
+        """Draft lengths (each at most its budget) that maximise expected tokens per second;
+        ``sources`` labels each request's drafts (None: unlabelled)."""
         if self.costs.num_steps < WARMUP_STEPS:
-            return list(budgets)
+            # Every other warm-up step drafts nothing, so that the cost model sees steps of
+            # different sizes even where acceptance would keep every step at full depth.
+            return list(budgets) if self.costs.num_steps % 2 == 0 else [0] * len(budgets)
+        if sources is None:
+            sources = [None] * len(request_ids)
         c0, c1, c2 = self.costs.coefficients()
         tokens = float(len(request_ids))
         seconds = c0 + c1 * len(request_ids)
         candidates: list[tuple[float, int]] = []
-        for index, (request_id, budget) in enumerate(zip(request_ids, budgets, strict=True)):
-            reach = np.cumprod(self.acceptance(request_id)[:budget])
+        for index, (request_id, budget, source) in enumerate(zip(request_ids, budgets, sources, strict=True)):
+            reach = np.cumprod(self.acceptance(request_id, source)[:budget])
             candidates.extend((float(gain), index) for gain in reach)
         candidates.sort(key=lambda c: -c[0])
         depths = [0] * len(request_ids)
@@ -136,3 +195,10 @@ class AdaptiveDepth:
         if summary != self._last_summary:
             logger.info(summary)
             self._last_summary = summary
+
+
+def _shrink(counts: _PositionCounts | None, prior: np.ndarray) -> np.ndarray:
+    """Rates from ``counts`` pulled towards ``prior`` by PRIOR_STRENGTH pseudo-observations."""
+    if counts is None:
+        return prior
+    return (counts.accepted + PRIOR_STRENGTH * prior) / (counts.reached + PRIOR_STRENGTH)

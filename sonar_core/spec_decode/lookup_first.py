@@ -67,7 +67,7 @@ class LookupFirstProposer(Proposer):
         is seen, drafting or not, so the lookup's history keeps up with its tokens."""
         drafting = request.max_draft_tokens > 0 and not request.is_finished and not request.is_partial_prefill
         limit = request.max_draft_tokens if drafting else 0
-        return self._lookup.draft(request.request_id, request.token_ids, request.num_new_tokens, limit)
+        return self._lookup.draft(request.request_id, request.token_ids, request.num_new_tokens, limit).tokens
 
     def _probs(
         self,

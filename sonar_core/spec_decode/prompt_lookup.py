@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -151,6 +152,13 @@ def lookup_bound_errors(prompt_lookup_min: int | None, prompt_lookup_max: int | 
     return errors
 
 
+class LookupDraft(NamedTuple):
+    """A request's drafts and the length of the n-gram they were copied after (0: no match)."""
+
+    tokens: list[int]
+    match_length: int
+
+
 class PromptLookup:
     """Prompt lookup for many requests: one :class:`TokenHistory` per request, brought up to date
     with each step's new tokens, and the draft of its bounds. The ``ngram`` proposer is this alone;
@@ -167,11 +175,15 @@ class PromptLookup:
     def remove(self, request_id: str) -> None:
         self._histories.pop(request_id, None)
 
-    def draft(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, max_tokens: int) -> list[int]:
+    def draft(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int, max_tokens: int) -> LookupDraft:
         """Up to ``max_tokens`` drafts for the request whose tokens are ``token_ids`` (the last
-        ``num_new_tokens`` new since the previous call); empty when nothing matches."""
+        ``num_new_tokens`` new since the previous call); no tokens when nothing matches."""
         history = self._histories.get(request_id)
         if history is None:  # add() was skipped
             history = self._histories[request_id] = TokenHistory(capacity=2 * len(token_ids))
         history.sync(token_ids, num_new_tokens)
-        return find_draft(history.view(), self.bounds.min_n, self.bounds.max_n, max_tokens).tolist()
+        if max_tokens <= 0:
+            return LookupDraft([], 0)
+        tokens = history.view()
+        end, match_length = find_match_end(tokens, self.bounds.min_n, self.bounds.max_n)
+        return LookupDraft(draft_after(tokens, end, max_tokens).tolist(), match_length)

@@ -17,6 +17,7 @@ One engine step with speculation::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,6 +65,13 @@ class ProposerCapabilities:
     reads_target_kv: bool = False
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
+    # True: propose() drafts each request's whole budget at next to no cost (prompt lookup), its
+    # drafts are one-hot (no probs), and DraftProposal.sources labels what each request's drafts
+    # rest on. With depth_policy "auto" the engine then asks for whole budgets, cuts each request's
+    # drafts to the depth that pays for their source, and learns acceptance from the whole drafts
+    # against the tokens the request goes on to emit, cut ones included (a one-hot draft is
+    # accepted exactly as often as the target's next token equals it).
+    free_drafts: bool = False
     # Whether a request may start after blocks another request left in the prefix cache when the
     # proposer keeps KV layers or reads target states per position. None (the default): it may
     # not, since the proposer's data for cached positions would be missing or another request's;
@@ -81,6 +89,8 @@ class ProposerCapabilities:
             raise ValueError(f"target_hidden_layers must not repeat, got {self.target_hidden_layers}")
         if self.prefix_cache_lookahead is not None and self.prefix_cache_lookahead < 0:
             raise ValueError(f"prefix_cache_lookahead must be None or >= 0, got {self.prefix_cache_lookahead}")
+        if self.free_drafts and self.returns_draft_probs:
+            raise ValueError("free_drafts drafts are one-hot: a proposer cannot declare it with returns_draft_probs")
 
     @property
     def reads_target_hidden(self) -> bool:
@@ -208,6 +218,9 @@ class DraftProposal:
     # [sum of draft lengths, vocab_size] draft probabilities, rows in request order, when the
     # proposer declares returns_draft_probs; otherwise None (one-hot drafts).
     probs: torch.Tensor | None = None
+    # Per request, what its drafts rest on (prompt lookup: the matched n-gram length), for
+    # proposers that declare free_drafts; auto depth learns acceptance per source.
+    sources: list[Hashable] | None = None
 
     @classmethod
     def from_rows(

@@ -12,17 +12,15 @@ import random
 from pathlib import Path
 
 import pytest
+from sequences import make_sequence
 
 from aphrodite import LLM, SamplingParams
 from sonar_core.engine.block_manager import BlockManager, hash_block_tokens, resolve_prefix_caching
-from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.engine.scheduler import Scheduler
-from sonar_core.engine.sequence import Sequence
 from sonar_core.entrypoints.args import add_engine_args, engine_config_from_args
 from sonar_core.entrypoints.openai.metrics import EngineState, ServerMetrics, StatsRecorder
 from sonar_core.errors import ConfigError
 from sonar_core.kv import KVLayerSpec
-from sonar_core.outputs import RequestMetrics
 from sonar_core.spec_decode.metrics import SpecDecodingStats
 from sonar_core.spec_decode.proposer import ProposerCapabilities
 
@@ -219,18 +217,6 @@ def test_a_linear_attention_target_turns_the_default_off(tmp_path: Path):
 
 
 # ------------------------------------------------------------------------------------ scheduler
-def _seq(request_id: str, prompt: list[int]) -> Sequence:
-    class _Chars:
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(97 + i % 26) for i in ids)
-
-    return Sequence(
-        request_id=request_id, prompt=None, prompt_token_ids=list(prompt), params=SamplingParams(),
-        metrics=RequestMetrics(arrival_time=0.0), detokenizer=IncrementalDetokenizer(_Chars(), prompt),
-        generator=None, eos_token_ids=frozenset(),
-    )
-
-
 def _step(scheduler: Scheduler) -> None:
     """Pretend the model ran, as the engine's update does, then register the filled blocks."""
     out = scheduler.schedule()
@@ -244,12 +230,12 @@ def _step(scheduler: Scheduler) -> None:
 
 def test_a_request_starts_after_its_cached_prefix_but_always_computes_its_last_token():
     scheduler = Scheduler(BlockManager(64, BLOCK, enable_caching=True), max_num_seqs=8, max_num_batched_tokens=64)
-    first = _seq("a", list(range(10)))
+    first = make_sequence("a", list(range(10)))
     scheduler.add(first)
     _step(scheduler)
     assert first.num_cached_blocks == 2  # positions 0..7 committed; the third block is partial
-    aligned = _seq("b", list(range(8)))  # two whole blocks, both cached: the second is recomputed
-    longer = _seq("c", list(range(9)) + [99])
+    aligned = make_sequence("b", list(range(8)))  # two whole blocks, both cached: the second is recomputed
+    longer = make_sequence("c", list(range(9)) + [99])
     scheduler.add(aligned)
     scheduler.add(longer)
     out = scheduler.schedule()
@@ -267,13 +253,13 @@ def test_a_request_starts_after_its_cached_prefix_but_always_computes_its_last_t
 def test_with_a_lookahead_a_block_is_shared_only_with_the_token_after_it():
     manager = BlockManager(64, BLOCK, enable_caching=True, lookahead=1)
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
-    first = _seq("a", list(range(10)))
+    first = make_sequence("a", list(range(10)))
     scheduler.add(first)
     _step(scheduler)
     assert first.num_cached_blocks == 2  # 0..7, each hashed with the token after it (4, 8)
-    same_next = _seq("b", list(range(9)) + [50])
-    other_next = _seq("c", list(range(8)) + [60, 61])  # token 8 differs: the second block is not shared
-    aligned = _seq("d", list(range(9)))  # the second block's next token is its newest, computed anyway
+    same_next = make_sequence("b", list(range(9)) + [50])
+    other_next = make_sequence("c", list(range(8)) + [60, 61])  # token 8 differs: the second block is not shared
+    aligned = make_sequence("d", list(range(9)))  # the second block's next token is its newest, computed anyway
     for seq in (same_next, other_next, aligned):
         scheduler.add(seq)
     out = scheduler.schedule()
@@ -290,7 +276,7 @@ def test_with_a_lookahead_a_block_is_shared_only_with_the_token_after_it():
 def test_a_preempted_request_hits_its_own_blocks_when_it_returns():
     manager = BlockManager(6, BLOCK, enable_caching=True)
     scheduler = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=64)
-    old, new = _seq("old", list(range(9))), _seq("new", list(range(100, 111)))
+    old, new = make_sequence("old", list(range(9))), make_sequence("new", list(range(100, 111)))
     scheduler.add(old)
     _step(scheduler)  # old: 3 blocks, 2 of them full
     scheduler.add(new)
@@ -428,7 +414,7 @@ def test_metrics_count_prefix_cache_tokens_and_the_log_shows_the_hit_rate(caplog
 
 
 def test_token_slice_is_a_slice_of_all_token_ids():
-    seq = _seq("s", [1, 2, 3, 4, 5])
+    seq = make_sequence("s", [1, 2, 3, 4, 5])
     seq.output_token_ids = [6, 7, 8]
     for start in range(10):
         for end in range(start, 11):

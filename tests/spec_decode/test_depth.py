@@ -9,7 +9,7 @@ def _policy(c0: float, c1: float, c2: float, max_depth: int = 5) -> AdaptiveDept
     """A policy whose cost model has seen steps that follow c0 + c1*T + c2*D exactly."""
     policy = AdaptiveDepth(max_depth)
     for target_tokens, drafted in [(1, 0), (5, 4), (16, 0), (40, 24), (3, 2), (64, 48), (8, 1), (2, 2), (30, 7)]:
-        policy.observe_step(target_tokens, drafted, c0 + c1 * target_tokens + c2 * drafted)
+        policy.observe_step(target_tokens, drafted, c0 + c1 * target_tokens + c2 * drafted, c2 * drafted)
     return policy
 
 
@@ -22,11 +22,54 @@ def _train(policy: AdaptiveDepth, request_id: str, rate: float, rounds: int = 20
         policy.observe_verification(request_id, policy.max_depth, accepted)
 
 
-def test_drafts_the_maximum_until_the_cost_model_is_warm():
+def test_warm_up_drafts_the_maximum_on_every_other_step():
     policy = AdaptiveDepth(max_depth=4)
-    for _ in range(WARMUP_STEPS - 1):
-        policy.observe_step(1, 0, 0.05)
-    assert policy.choose(["a", "b"], [4, 2]) == [4, 2]
+    chosen = []
+    for _ in range(WARMUP_STEPS):
+        chosen.append(policy.choose(["a", "b"], [4, 2]))
+        policy.observe_step(1, 0, 0.05, 0.0)
+    assert chosen == [[4, 2], [0, 0]] * (WARMUP_STEPS // 2)
+
+
+def test_costs_are_told_apart_when_drafts_and_verified_tokens_move_together():
+    # At batch 1 a request that verified d drafts and drafts d again makes every step's target
+    # tokens one more than its drafts: in one fit over both counts the split between them would
+    # be arbitrary. The proposer's time is measured apart, so each cost has its own fit.
+    policy = AdaptiveDepth(max_depth=5)
+    for depth in [5, 5, 0, 3, 3, 5, 1, 0, 4, 5, 2, 5]:
+        target = 0.010 + 0.002 * (1 + depth)
+        propose = 0.0005 + 0.0003 * depth
+        policy.observe_step(1 + depth, depth, target + propose, propose)
+    assert policy.costs.coefficients() == pytest.approx((0.0105, 0.002, 0.0003), rel=1e-3)
+
+
+def test_rates_are_learned_per_source():
+    policy = _policy(c0=0.02, c1=0.002, c2=0.0)
+    for i in range(200):
+        policy.observe_verification(f"long{i}", 5, 5, source=5)
+        policy.observe_verification(f"short{i}", 5, 0, source=2)
+    # A request seen for the first time starts from its source's rates, not from the mixture's.
+    long_match, short_match = policy.choose(["new1", "new2"], [5, 5], sources=[5, 2])
+    assert (long_match, short_match) == (5, 0)
+    assert policy.acceptance("new1", 5)[0] > 0.9 > 0.1 > policy.acceptance("new2", 2)[0]
+
+
+@pytest.mark.parametrize(
+    ("emitted", "reached", "accepted"),
+    [
+        ([7, 8, 0], [1, 1, 1, 0], [1, 1, 0, 0]),  # a mismatch at the third position
+        ([7, 8], [1, 1, 0, 0], [1, 1, 0, 0]),  # all that was emitted matched: later positions unknown
+        ([7, 8, 9, 6, 5], [1, 1, 1, 1], [1, 1, 1, 1]),  # the whole draft matched
+        ([0], [1, 0, 0, 0], [0, 0, 0, 0]),
+        ([], [0, 0, 0, 0], [0, 0, 0, 0]),
+    ],
+)
+def test_a_whole_draft_is_scored_up_to_what_the_emitted_tokens_tell(emitted, reached, accepted):
+    policy = AdaptiveDepth(max_depth=4)
+    policy.observe_outcome("a", [7, 8, 9, 6], emitted, source=3)
+    for counts in (policy._global, policy._sources[3], policy._requests["a"][3]):
+        assert counts.reached.tolist() == reached
+        assert counts.accepted.tolist() == accepted
 
 
 def test_memory_bound_target_with_good_acceptance_drafts_deep():

@@ -76,3 +76,13 @@ def test_greedy_speculation_is_lossless(method, batch_size, depth, target_dir, d
     assert summary.num_draft_tokens > 0
     if method != "custom_class":
         assert summary.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "draft_model"])
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_auto_depth_is_lossless(method, batch_size, target_dir, draft_dir, prompts, reference):
+    # The lookups draft whole budgets that auto depth cuts; the draft model drafts what it chose.
+    config = {**_method_config(method, 5, draft_dir), "depth_policy": "auto"}
+    tokens, llm = _generate(target_dir, config, prompts, batch_size)
+    assert tokens == reference
+    assert llm.get_spec_decode_metrics().num_draft_tokens > 0

@@ -1,13 +1,17 @@
-"""The batched device lookup (sonar_ngram.lookup_device) must draft exactly what the host lookup drafts."""
+"""The batched device lookup (sonar_ngram.lookup_device) must draft exactly what the host lookup drafts,
+and report the same matched n-gram lengths."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from ngram_reference import reference_draft, repetitive_sequence
 from sonar_ngram.lookup_device import DeviceTokenSlots, batch_find_drafts
+
+from sonar_core.spec_decode.prompt_lookup import find_match_end
 
 
 def run_batch(
@@ -19,10 +23,13 @@ def run_batch(
     for row, sequence in enumerate(sequences):
         tokens[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.int32)
     lengths = torch.tensor([len(s) for s in sequences])
-    drafts, counts = batch_find_drafts(
+    drafts, counts, match_lengths = batch_find_drafts(
         tokens.to(device), lengths.to(device), torch.tensor(limits).to(device), min_n, max_n, k
     )
     assert drafts.shape == (len(sequences), k)
+    for sequence, count, match_length in zip(sequences, counts.tolist(), match_lengths.tolist(), strict=True):
+        host_length = find_match_end(np.asarray(sequence, dtype=np.int32), min_n, max_n)[1]
+        assert match_length == (host_length if count else 0)
     return [row[:count] for row, count in zip(drafts.tolist(), counts.tolist(), strict=True)]
 
 

@@ -27,7 +27,7 @@ def batch_find_drafts(
     min_n: int,
     max_n: int,
     k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft for every row of ``tokens``.
 
     Args:
@@ -38,7 +38,9 @@ def batch_find_drafts(
         k: width of the returned draft tensor (the largest ``limits`` value allowed).
 
     Returns:
-        ``drafts`` ``[B, k]`` (entries past a row's count are 0) and ``counts`` ``[B]`` (int64).
+        ``drafts`` ``[B, k]`` (entries past a row's count are 0), ``counts`` ``[B]`` (int64) and
+        ``match_lengths`` ``[B]`` (int64): the length of the n-gram each row's drafts follow, 0 for
+        a row without drafts.
     """
     batch, width = tokens.shape
     device = tokens.device
@@ -53,6 +55,7 @@ def batch_find_drafts(
     positions = torch.arange(width, device=device)
     alive = positions.unsqueeze(0) <= (lengths - 2).unsqueeze(1)
     best_end = torch.full((batch,), -1, dtype=torch.int64, device=device)
+    best_n = torch.zeros((batch,), dtype=torch.int64, device=device)
     for n in range(1, max_n + 1):
         # Compare the token n - 1 places before each end with the one n - 1 places before the last.
         column = max_n - n
@@ -61,6 +64,7 @@ def batch_find_drafts(
             # Most recent match of length >= n; a longer n overrides a shorter one.
             last = torch.where(alive, positions, -1).amax(dim=1)
             best_end = torch.where(last >= 0, last, best_end)
+            best_n = torch.where(last >= 0, n, best_n)
 
     starts = best_end + 1
     # Overlapping copy (see sonar_core.spec_decode.prompt_lookup): the draft repeats with the match's distance from
@@ -71,7 +75,7 @@ def batch_find_drafts(
     gather_index = (starts.unsqueeze(1) + offsets % period.unsqueeze(1)).clamp(min=0, max=width - 1)
     drafts = tokens.gather(1, gather_index)
     drafts = torch.where(offsets.unsqueeze(0) < counts.unsqueeze(1), drafts, 0)
-    return drafts, counts
+    return drafts, counts, torch.where(counts > 0, best_n, 0)
 
 
 class DeviceTokenSlots:

@@ -29,7 +29,7 @@ from sonar_ngram.lookup_device import DeviceTokenSlots, batch_find_drafts
 class NgramProposer(Proposer):
     """Prompt lookup on the host, one vectorised search per request over an incrementally kept buffer."""
 
-    capabilities = ProposerCapabilities()
+    capabilities = ProposerCapabilities(free_drafts=True)
 
     def __init__(self, bounds: LookupBounds) -> None:
         self.bounds = bounds
@@ -42,11 +42,12 @@ class NgramProposer(Proposer):
         self._lookup.remove(request_id)
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
+        """Each request's lookup draft, labelled with the matched n-gram's length."""
+        drafts = [
+            self._lookup.draft(r.request_id, r.token_ids, r.num_new_tokens, r.max_draft_tokens) for r in batch.requests
+        ]
         return DraftProposal(
-            token_ids=[
-                self._lookup.draft(r.request_id, r.token_ids, r.num_new_tokens, r.max_draft_tokens)
-                for r in batch.requests
-            ]
+            token_ids=[draft.tokens for draft in drafts], sources=[draft.match_length for draft in drafts]
         )
 
 
@@ -59,7 +60,7 @@ class NgramGPUProposer(Proposer):
     entirely on the device.
     """
 
-    capabilities = ProposerCapabilities()
+    capabilities = ProposerCapabilities(free_drafts=True)
 
     def __init__(
         self, bounds: LookupBounds, num_speculative_tokens: int, max_model_len: int, device: torch.device
@@ -80,12 +81,14 @@ class NgramGPUProposer(Proposer):
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         if not batch.requests:
             return DraftProposal(token_ids=[])
-        drafts, counts = self.propose_on_device(batch.requests)
-        rows = torch.cat([counts.unsqueeze(1), drafts.to(torch.int64)], dim=1).cpu().tolist()
-        return DraftProposal(token_ids=[row[1 : 1 + row[0]] for row in rows])
+        drafts, counts, match_lengths = self.propose_on_device(batch.requests)
+        rows = torch.stack([counts, match_lengths], dim=1)
+        rows = torch.cat([rows, drafts.to(torch.int64)], dim=1).cpu().tolist()
+        return DraftProposal(token_ids=[row[2 : 2 + row[0]] for row in rows], sources=[row[1] for row in rows])
 
-    def propose_on_device(self, requests: list[ProposalRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the device rows and search them: ``[B, num_speculative_tokens]`` drafts and ``[B]`` counts."""
+    def propose_on_device(self, requests: list[ProposalRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Update the device rows and search them: ``[B, num_speculative_tokens]`` drafts, ``[B]``
+        counts and ``[B]`` matched n-gram lengths."""
         size = len(requests)
         host, num_new, longest = self._pack_updates(requests)
         packed = torch.from_numpy(host).to(self.device)
