@@ -7,9 +7,12 @@ proposes the lookup's draft, verifies its first ``d`` tokens, accepts the longes
 matches the answer and emits one token more. Its cost is that of a target step of ``d + 1`` rows
 relative to a decode step, measured here on the same model (steps of every size taking turns, so
 that a slow spell of the machine hits them alike; or given with ``--row-costs``), so a policy's
-*modelled speedup* is tokens emitted over cost spent. Three policies:
+*modelled speedup* is tokens emitted over cost spent. The policies:
 
 - ``fixed k``: always the first ``k`` drafts (what ``ngram`` does);
+- ``auto``: the engine's ``depth_policy: "auto"`` itself (:class:`OnlineAuto`), learning
+  acceptance and the step cost online as it replays, with rates per matched n-gram length (what
+  the engine does for prompt lookup) and, for comparison, with one rate per draft position;
 - ``by match length``: for each matched n-gram length, the depth that maximises expected tokens
   per cost, from acceptance rates measured on this same replay (in hindsight: about the best a
   policy that decides from the match length can do);
@@ -27,6 +30,7 @@ modelled ones.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.prompt_lookup import TOKEN_DTYPE, draft_after, find_match_end
 
 # depth(n, drafts, answer_continuation) -> how many of the drafts to verify
@@ -69,6 +74,33 @@ def accepted_prefix(drafts: np.ndarray, continuation: Sequence[int]) -> int:
     return count
 
 
+class OnlineAuto:
+    """``depth_policy: "auto"`` replayed as the engine runs it for prompt lookup: each step cuts
+    the whole draft to a depth chosen from what the earlier steps measured, then scores the whole
+    draft against the tokens emitted and records the step's cost (``row_costs``, a decode step
+    being 1)."""
+
+    def __init__(self, max_depth: int, row_costs: Sequence[float], by_match_length: bool) -> None:
+        self.depth = AdaptiveDepth(max_depth)
+        self.row_costs = row_costs
+        self.by_match_length = by_match_length
+        self.request = 0
+
+    def __call__(self, n: int, drafts: np.ndarray, continuation: Sequence[int]) -> int:
+        request_id = str(self.request)
+        source = n if self.by_match_length else None
+        chosen = self.depth.choose([request_id], [len(drafts)], [source])[0]
+        emitted = continuation[: accepted_prefix(drafts[:chosen], continuation) + 1]
+        if len(drafts):
+            self.depth.observe_outcome(request_id, drafts.tolist(), emitted, source)
+        self.depth.observe_step(1 + chosen, len(drafts), self.row_costs[chosen], 0.0)
+        return chosen
+
+    def end_request(self) -> None:
+        self.depth.forget(str(self.request))
+        self.request += 1
+
+
 def replay(
     answers: Sequence[tuple[Sequence[int], Sequence[int]]],
     min_n: int,
@@ -95,6 +127,8 @@ def replay(
             steps += 1
             verified += verified_here
             cost += row_costs[verified_here]
+        if isinstance(depth, OnlineAuto):
+            depth.end_request()
     return Replay(tokens, steps, verified, cost)
 
 
@@ -130,10 +164,12 @@ def policies(
     answers: Sequence[tuple[Sequence[int], Sequence[int]]], min_n: int, max_n: int, max_depth: int,
     row_costs: Sequence[float],
 ) -> dict[str, DepthPolicy]:
-    """The fixed, by-match-length and clairvoyant policies for one lookup range."""
+    """The fixed, online auto, by-match-length and clairvoyant policies for one lookup range."""
     by_length = best_depths(acceptance_by_match_length(answers, min_n, max_n, max_depth), row_costs)
     return {
         f"fixed k={max_depth}": lambda n, drafts, continuation: len(drafts),
+        f"auto, one rate per position (k<={max_depth})": OnlineAuto(max_depth, row_costs, by_match_length=False),
+        f"auto, rates per match length (k<={max_depth})": OnlineAuto(max_depth, row_costs, by_match_length=True),
         f"by match length (k<={max_depth}: {by_length[min_n:]})": lambda n, drafts, continuation: by_length[n],
         f"clairvoyant (k<={max_depth})": lambda n, drafts, continuation: accepted_prefix(drafts, continuation),
     }
@@ -190,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # The replayed auto policy logs every change of depth, which here means every step.
+    logging.getLogger("sonar.spec_decode").setLevel(logging.WARNING)
     depths = [int(depth) for depth in args.depths.split(",")]
     llm = LLM(model=args.model, dtype=args.dtype)
     if args.row_costs is None:

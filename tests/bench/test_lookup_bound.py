@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from sonar_core.bench.lookup_bound import acceptance_by_match_length, best_depths, main, policies, replay
+from sonar_core.bench.lookup_bound import (
+    OnlineAuto,
+    acceptance_by_match_length,
+    best_depths,
+    main,
+    policies,
+    replay,
+)
 
 # The answer repeats the prompt's first line, then leaves it: lookup drafts the copy right and
 # the rest wrong.
@@ -22,7 +29,7 @@ def _run(name_prefix: str, min_n: int = 2, depth: int = 5):
 
 def test_every_policy_emits_the_whole_answer_and_pays_for_each_verified_row():
     answer_length = len(ANSWERS[0][1])
-    for prefix in ("fixed", "by match length", "clairvoyant"):
+    for prefix in ("fixed", "auto, one rate", "auto, rates per match", "by match length", "clairvoyant"):
         result = _run(prefix)
         assert result.tokens == answer_length
         assert result.cost >= result.steps  # a step costs at least a decode step
@@ -58,5 +65,18 @@ def test_the_command_replays_a_workload_with_row_costs_measured_on_the_model(tin
     printed = capsys.readouterr().out
     assert "step cost by rows (1 = a decode step): 1: 1.00, 2: " in printed and ", 4: " in printed
     rows = [line for line in printed.splitlines() if line.startswith("| n=")]
-    assert len(rows) == 6  # two lookup ranges x three policies
+    assert len(rows) == 10  # two lookup ranges x five policies
     assert all(line.rstrip().endswith("x |") for line in rows)
+
+
+def test_online_auto_learns_which_match_lengths_pay():
+    drafts = np.array([1, 2, 3, 4, 5])
+    right, wrong = [1, 2, 3, 4, 5, 6], [9, 9, 9, 9, 9, 9]
+    by_length = OnlineAuto(5, COSTS, by_match_length=True)
+    one_rate = OnlineAuto(5, COSTS, by_match_length=False)
+    for _ in range(60):  # long matches copy right, short ones wrong
+        for policy in (by_length, one_rate):
+            policy(5, drafts, right)
+            policy(2, drafts, wrong)
+    assert (by_length(5, drafts, right), by_length(2, drafts, wrong)) == (5, 0)
+    assert one_rate(5, drafts, right) == one_rate(2, drafts, wrong)
