@@ -3,10 +3,10 @@
 The ``auto`` policy drafts where it pays. A step's throughput is the tokens it emits divided by
 its duration. Drafting one more token for request *i* at depth *j* adds, in expectation, the
 probability that drafts 1..j are all accepted (``gain``), and costs the extra target and proposer
-work (``cost``). Adding it raises throughput exactly when ``gain / cost`` beats the current
-tokens-per-second ratio, so the policy adds candidate drafts in decreasing order of gain while
-that holds. With a large batch the fixed per-step cost is shared by many requests, the ratio is
-already high, and no draft qualifies: speculation switches itself off.
+work (``cost``, which depends only on how many tokens the step runs and drafts). So the best
+set of *m* drafts is the *m* of highest gain, and the policy keeps the *m* with the most tokens
+per second. With a large batch the fixed per-step cost is shared by many requests, the ratio is
+already high, and no draft pays for itself: speculation switches itself off.
 
 Acceptance is learned per request and, where the proposer labels its drafts with what they rest on
 (its *source*: prompt lookup's matched n-gram length), per source as well: a draft copied after a
@@ -32,6 +32,8 @@ PRIOR_STRENGTH = 4.0
 WARMUP_STEPS = 8
 # Forgetting factor of the cost model, so that it follows changes in load.
 COST_FORGETTING = 0.97
+# Weight of observations of one step size before its own cost factor is used.
+MIN_FACTOR_WEIGHT = 2.0
 
 
 @dataclass
@@ -57,29 +59,66 @@ class _LinearFit:
     def __init__(self) -> None:
         self._xtx = np.eye(2) * 1e-6
         self._xty = np.zeros(2)
+        self._coefficients = (0.0, 0.0)
 
     def observe(self, count: int, seconds: float) -> None:
         x = np.array([1.0, count])
         self._xtx = COST_FORGETTING * self._xtx + np.outer(x, x)
         self._xty = COST_FORGETTING * self._xty + x * seconds
+        intercept, slope = np.linalg.lstsq(self._xtx, self._xty, rcond=None)[0]
+        self._coefficients = (float(intercept), float(slope))
 
     def coefficients(self) -> tuple[float, float]:
-        intercept, slope = np.linalg.lstsq(self._xtx, self._xty, rcond=None)[0]
-        return float(intercept), float(slope)
+        return self._coefficients
+
+    def predict(self, count: int) -> float:
+        """The fitted seconds, with costs that cannot be negative (a noisy fit must not make
+        drafting look free)."""
+        intercept, slope = self._coefficients
+        return max(intercept, 0.0) + max(slope, 0.0) * count
+
+
+class _StepwiseFit:
+    """A :class:`_LinearFit` times a factor learned for each count.
+
+    CPU kernels run rows in register tiles (four on AVX2), so a step that needs one more pass
+    costs far more than one that fills a tile: nine rows cost almost three decode steps where
+    eight cost 1.8. A straight line would verify a fifth or a ninth row at the price of a fourth.
+    The factor (measured over fitted seconds) is kept per count with forgetting, so it keeps the
+    curve's shape while the line follows changes of load.
+    """
+
+    def __init__(self) -> None:
+        self.line = _LinearFit()
+        # count -> (forgetting-weighted sum of measured / fitted, weight)
+        self._factors: dict[int, tuple[float, float]] = {}
+
+    def observe(self, count: int, seconds: float) -> None:
+        self.line.observe(count, seconds)
+        fitted = self.line.predict(count)
+        if fitted > 0:
+            total, weight = self._factors.get(count, (0.0, 0.0))
+            self._factors[count] = (COST_FORGETTING * total + seconds / fitted, COST_FORGETTING * weight + 1.0)
+
+    def predict(self, count: int) -> float:
+        fitted = self.line.predict(count)
+        total, weight = self._factors.get(count, (0.0, 0.0))
+        return fitted * total / weight if weight >= MIN_FACTOR_WEIGHT else fitted
 
 
 class StepCostModel:
-    """Step seconds ~ c0 + c1 * target tokens + c2 * drafted tokens, fitted online.
+    """Step seconds ~ target(target tokens) + proposer(drafted tokens), fitted online.
 
     The target's part of a step (everything but proposing) and the proposer's part are fitted
     apart, each on its own count: in one fit the two counts move together (a request that drafted
     k tokens last step verifies k + 1 this step and drafts k again), so the split between them
-    would be arbitrary. Fitted over the engine's own steps, so the costs are those of this model
-    on this machine under the current load.
+    would be arbitrary. The target's part is a line times a factor per token count (see
+    :class:`_StepwiseFit`), the proposer's a line. Fitted over the engine's own steps, so the
+    costs are those of this model on this machine under the current load.
     """
 
     def __init__(self) -> None:
-        self._target = _LinearFit()
+        self._target = _StepwiseFit()
         self._proposer = _LinearFit()
         self.num_steps = 0
 
@@ -90,10 +129,14 @@ class StepCostModel:
         self.num_steps += 1
 
     def coefficients(self) -> tuple[float, float, float]:
-        target_fixed, per_token = self._target.coefficients()
+        """The straight-line costs: fixed seconds a step, per target token, per drafted token."""
+        target_fixed, per_token = self._target.line.coefficients()
         proposer_fixed, per_draft = self._proposer.coefficients()
-        # Costs cannot be negative; a noisy fit must not make drafting look free.
-        return max(target_fixed + proposer_fixed, 0.0), max(per_token, 1e-9), max(per_draft, 0.0)
+        return target_fixed + proposer_fixed, per_token, per_draft
+
+    def seconds(self, num_target_tokens: int, num_drafted: int) -> float:
+        """Predicted seconds of a step with these counts (never zero)."""
+        return max(self._target.predict(num_target_tokens) + self._proposer.predict(num_drafted), 1e-9)
 
 
 @dataclass
@@ -163,22 +206,24 @@ class AdaptiveDepth:
             return list(budgets) if self.costs.num_steps % 2 == 0 else [0] * len(budgets)
         if sources is None:
             sources = [None] * len(request_ids)
-        c0, c1, c2 = self.costs.coefficients()
-        tokens = float(len(request_ids))
-        seconds = c0 + c1 * len(request_ids)
+        # Adding drafts in decreasing order of gain is best for any number of drafts, as the cost
+        # depends only on how many; the number is the one with the most tokens per second.
         candidates: list[tuple[float, int]] = []
         for index, (request_id, budget, source) in enumerate(zip(request_ids, budgets, sources, strict=True)):
             reach = np.cumprod(self.acceptance(request_id, source)[:budget])
             candidates.extend((float(gain), index) for gain in reach)
         candidates.sort(key=lambda c: -c[0])
-        depths = [0] * len(request_ids)
-        step_cost = c1 + c2
-        for gain, index in candidates:
-            if gain * seconds <= tokens * step_cost:
-                break
-            depths[index] += 1
+        batch = len(request_ids)
+        tokens = float(batch)
+        best_count, best_rate = 0, tokens / self.costs.seconds(batch, 0)
+        for count, (gain, _) in enumerate(candidates, start=1):
             tokens += gain
-            seconds += step_cost
+            rate = tokens / self.costs.seconds(batch + count, count)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        depths = [0] * batch
+        for _, index in candidates[:best_count]:
+            depths[index] += 1
         self._log_change(depths)
         return depths
 

@@ -117,3 +117,17 @@ def test_forget_drops_request_state():
     policy.forget("a")
     assert policy.acceptance("a") == pytest.approx(policy.acceptance("never-seen"))
     assert not (before == policy.acceptance("a")).all()
+
+
+def test_a_step_that_needs_one_more_tile_pass_is_priced_as_such():
+    # Rows run in tiles of four: a step costs 12 ms per pass over the weights.
+    policy = AdaptiveDepth(max_depth=8)
+    for _ in range(6):
+        for tokens in range(1, 10):
+            policy.observe_step(tokens, 0, 0.012 * -(-tokens // 4), 0.0)
+    _train(policy, "a", rate=0.8)
+    # A straight line through these costs spreads the second pass over every row and stops at two
+    # drafts; priced by passes, three drafts fill the first tile, and the fourth would need a
+    # second pass that neither it nor the next three repay.
+    assert policy.choose(["a"], [8]) == [3]
+    assert policy.costs.seconds(9, 0) == pytest.approx(0.036, rel=0.02)
