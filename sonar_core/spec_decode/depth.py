@@ -57,16 +57,24 @@ class _LinearFit:
     """seconds ~ intercept + slope * count, by recursive least squares with forgetting."""
 
     def __init__(self) -> None:
-        self._xtx = np.eye(2) * 1e-6
-        self._xty = np.zeros(2)
+        # Forgetting-weighted sums of 1, count, count^2, seconds and count * seconds: the normal
+        # equations of the fit, solved in closed form after each step (it runs on every step).
+        self._weight = self._counts = self._squares = self._seconds = self._products = 0.0
         self._coefficients = (0.0, 0.0)
 
     def observe(self, count: int, seconds: float) -> None:
-        x = np.array([1.0, count])
-        self._xtx = COST_FORGETTING * self._xtx + np.outer(x, x)
-        self._xty = COST_FORGETTING * self._xty + x * seconds
-        intercept, slope = np.linalg.lstsq(self._xtx, self._xty, rcond=None)[0]
-        self._coefficients = (float(intercept), float(slope))
+        f = COST_FORGETTING
+        self._weight = f * self._weight + 1.0
+        self._counts = f * self._counts + count
+        self._squares = f * self._squares + count * count
+        self._seconds = f * self._seconds + seconds
+        self._products = f * self._products + count * seconds
+        spread = self._weight * self._squares - self._counts**2
+        if spread > 1e-9 * self._weight**2:
+            slope = (self._weight * self._products - self._counts * self._seconds) / spread
+        else:  # every step so far had the same count: no slope can be told, only the level
+            slope = 0.0
+        self._coefficients = ((self._seconds - slope * self._counts) / self._weight, slope)
 
     def coefficients(self) -> tuple[float, float]:
         return self._coefficients
