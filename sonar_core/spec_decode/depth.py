@@ -161,7 +161,8 @@ class AdaptiveDepth:
     _global: _PositionCounts = field(init=False)
     _sources: dict[Hashable, _PositionCounts] = field(default_factory=dict)
     _requests: dict[str, dict[Hashable, _PositionCounts]] = field(default_factory=dict)
-    _last_summary: str = ""
+    # Whether the last logged decision was to draft (None: nothing logged yet).
+    _drafting: bool | None = None
 
     def __post_init__(self) -> None:
         self._global = _PositionCounts.zeros(self.max_depth)
@@ -232,22 +233,27 @@ class AdaptiveDepth:
         depths = [0] * batch
         for _, index in candidates[:best_count]:
             depths[index] += 1
-        self._log_change(depths)
+        self._log_change(depths, budgets)
         return depths
 
-    def _log_change(self, depths: list[int]) -> None:
+    def _log_change(self, depths: list[int], budgets: list[int]) -> None:
+        """Log when speculation turns off or on; steps where no request could draft (prompt
+        lookup found nothing) decide nothing, and depths that vary step by step are not news."""
+        offered = sum(1 for budget in budgets if budget)
+        if not offered:
+            return
         drafting = [d for d in depths if d]
+        if bool(drafting) == self._drafting:
+            return
+        self._drafting = bool(drafting)
         if not drafting:
-            summary = f"auto depth: speculation off for a batch of {len(depths)} (drafting would cost throughput)"
+            logger.info(f"auto depth: speculation off for a batch of {offered} (drafting would cost throughput)")
         else:
             mean = round(sum(drafting) / len(drafting))
-            summary = (
+            logger.info(
                 f"auto depth: drafting ~{mean} tokens for {len(drafting)} of {len(depths)} requests "
                 f"(max {self.max_depth})"
             )
-        if summary != self._last_summary:
-            logger.info(summary)
-            self._last_summary = summary
 
 
 def _shrink(counts: _PositionCounts | None, prior: np.ndarray) -> np.ndarray:

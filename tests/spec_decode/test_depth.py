@@ -131,3 +131,16 @@ def test_a_step_that_needs_one_more_tile_pass_is_priced_as_such():
     # second pass that neither it nor the next three repay.
     assert policy.choose(["a"], [8]) == [3]
     assert policy.costs.seconds(9, 0) == pytest.approx(0.036, rel=0.02)
+
+
+def test_logs_only_when_speculation_turns_off_or_on(caplog):
+    policy = _policy(c0=0.05, c1=0.0001, c2=0.0001)
+    _train(policy, "a", rate=0.8)
+    with caplog.at_level(logging.INFO, logger="sonar.spec_decode"):
+        policy.choose(["a"], [0])  # nothing to decide: prompt lookup found no match
+        assert not caplog.records
+        for budget in (5, 3, 0, 5, 2):
+            policy.choose(["a"], [budget])
+    assert [r.getMessage() for r in caplog.records] == [
+        "auto depth: drafting ~5 tokens for 1 of 1 requests (max 5)"
+    ]
