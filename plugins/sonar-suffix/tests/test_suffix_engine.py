@@ -99,6 +99,14 @@ def test_greedy_output_equals_output_without_speculation(model_dir, prompts, ref
     assert list(suffix_proposer(llm).cache.active_requests) == []
 
 
+def test_auto_depth_is_lossless(model_dir, prompts, reference) -> None:
+    # The whole drafts are cut by auto depth per match length and scored against what followed.
+    llm = make_llm(model_dir, {**suffix_config(8), "depth_policy": "auto"}, max_num_seqs=4)
+    assert generate(llm, prompts) == reference
+    assert generate(llm, prompts) == reference
+    assert llm.get_spec_decode_metrics().num_accepted_tokens > 0
+
+
 def test_a_request_repeating_an_earlier_response_is_drafted_from_the_shared_tree(model_dir, prompts) -> None:
     prompt = [prompts[0]]
     figures = {}

@@ -41,7 +41,9 @@ class Driver:
         )
         self.unproposed = 0
         batch = ProposeBatch(requests=[request], block_size=16, kv_caches=[], device=torch.device("cpu"))
-        (draft,) = self.proposer.propose(batch).token_ids
+        proposal = self.proposer.propose(batch)
+        (draft,) = proposal.token_ids
+        (self.match_length,) = proposal.sources
         assert len(draft) <= max_draft_tokens
         return draft
 
@@ -121,6 +123,17 @@ def test_draft_length_follows_the_match_length_times_the_spec_factor() -> None:
         # Only the last token (RESPONSE[10]) matches: a one-token match drafts factor * 1 tokens.
         second = Driver(proposer, "second", [7, 8, 9, RESPONSE[10]])
         assert second.propose(16) == RESPONSE[11 : 11 + expected]
+
+
+def test_drafts_are_labelled_with_the_length_of_their_match() -> None:
+    # For auto depth, which learns acceptance per label.
+    proposer = make()
+    finish(proposer, "first", [1, 2, 3], RESPONSE)
+    second = Driver(proposer, "second", [7, 8, 9, *RESPONSE[8:11]])
+    assert second.propose(16) and second.match_length == 3
+    third = Driver(proposer, "third", [7, 8, 9, 99])
+    assert second.propose(0) == [] and second.match_length == 0
+    assert third.propose(16) == [] and third.match_length == 0
 
 
 def test_drafts_stop_at_a_continuation_rarer_than_min_token_prob() -> None:

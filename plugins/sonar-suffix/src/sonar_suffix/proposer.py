@@ -44,8 +44,9 @@ from sonar_suffix.options import SuffixOptions
 class SuffixProposer(Proposer):
     """Suffix decoding over prompt trees and a shared response tree; one-hot chain drafts."""
 
-    # No weights, no hidden states, no KV: the trees live on the host.
-    capabilities = ProposerCapabilities()
+    # No weights, no hidden states, no KV: the trees live on the host, and a draft costs a walk of
+    # them, so with depth_policy "auto" the engine cuts whole drafts by their match length.
+    capabilities = ProposerCapabilities(free_drafts=True)
 
     def __init__(self, options: SuffixOptions) -> None:
         self.options = options
@@ -80,12 +81,15 @@ class SuffixProposer(Proposer):
             self.cache.evict_cached_response(request_id)
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
-        return DraftProposal(token_ids=[self._draft(request) for request in batch.requests])
+        """Each request's draft, labelled with the length of the match it continues."""
+        drafts = [self._draft(request) for request in batch.requests]
+        return DraftProposal(token_ids=[tokens for tokens, _ in drafts], sources=[length for _, length in drafts])
 
-    def _draft(self, request: ProposalRequest) -> list[int]:
+    def _draft(self, request: ProposalRequest) -> tuple[list[int], int]:
+        """The request's draft and its match length (0: no draft)."""
         self._feed(request)
         if request.max_draft_tokens <= 0:
-            return []
+            return [], 0
         # Only the latest max_tree_depth tokens can match: the trees hold nothing longer.
         context = request.token_ids[-self.options.suffix_decoding_max_tree_depth :]
         draft = self.cache.speculate(
@@ -96,7 +100,8 @@ class SuffixProposer(Proposer):
             min_token_prob=self.options.suffix_decoding_min_token_prob,
             use_tree_spec=False,
         )
-        return list(draft.token_ids)
+        tokens = list(draft.token_ids)
+        return tokens, draft.match_len if tokens else 0
 
     def _feed(self, request: ProposalRequest) -> None:
         """Append the request's tokens that the trees do not hold yet.
