@@ -65,9 +65,9 @@ class ProposerCapabilities:
     reads_target_kv: bool = False
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
-    # True: propose() drafts each request's whole budget at next to no cost (prompt lookup), its
-    # drafts are one-hot (no probs), and DraftProposal.sources labels what each request's drafts
-    # rest on. With depth_policy "auto" the engine then asks for whole budgets, cuts each request's
+    # True: propose() drafts at next to no cost however long the drafts (prompt lookup, suffix
+    # decoding), its drafts are one-hot (no probs), and DraftProposal.sources labels what each
+    # request's drafts rest on. With depth_policy "auto" the engine then asks for whole budgets, cuts each request's
     # drafts to the depth that pays for their source, and learns acceptance from the whole drafts
     # against the tokens the request goes on to emit, cut ones included (a one-hot draft is
     # accepted exactly as often as the target's next token equals it).
