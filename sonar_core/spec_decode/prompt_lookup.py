@@ -62,12 +62,13 @@ def find_match_end(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int
     return int(ends[-1]), n
 
 
-def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Draft up to ``k`` tokens for ``tokens`` (1-D integer array); an empty array when none match."""
+def find_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
+    """Draft up to ``k`` tokens for ``tokens`` (1-D integer array) and the matched n-gram's length;
+    an empty array and 0 when none match (or ``k`` is 0: then nothing is searched)."""
     if k <= 0:
-        return _EMPTY
-    end, _ = find_match_end(tokens, min_n, max_n)
-    return draft_after(tokens, end, k)
+        return _EMPTY, 0
+    end, n = find_match_end(tokens, min_n, max_n)
+    return draft_after(tokens, end, k), n
 
 
 def draft_after(tokens: np.ndarray, end: int, k: int) -> np.ndarray:
@@ -182,8 +183,5 @@ class PromptLookup:
         if history is None:  # add() was skipped
             history = self._histories[request_id] = TokenHistory(capacity=2 * len(token_ids))
         history.sync(token_ids, num_new_tokens)
-        if max_tokens <= 0:
-            return LookupDraft([], 0)
-        tokens = history.view()
-        end, match_length = find_match_end(tokens, self.bounds.min_n, self.bounds.max_n)
-        return LookupDraft(draft_after(tokens, end, max_tokens).tolist(), match_length)
+        drafts, match_length = find_draft(history.view(), self.bounds.min_n, self.bounds.max_n, max_tokens)
+        return LookupDraft(drafts.tolist(), match_length)

@@ -126,7 +126,7 @@ def main() -> None:
                 sequences,
                 vocab,
                 args.steps,
-                lambda seqs, _: [find_draft(np.asarray(s, dtype=np.int32), MIN_N, MAX_N, K) for s in seqs],
+                lambda seqs, _: [find_draft(np.asarray(s, dtype=np.int32), MIN_N, MAX_N, K)[0] for s in seqs],
             )
             host = run_steps(sequences, vocab, args.steps, proposer_step(NgramProposer(bounds)))
             device = run_steps(

@@ -12,7 +12,7 @@ from sonar_core.spec_decode.prompt_lookup import TokenHistory, find_draft, find_
 
 
 def draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    return find_draft(np.asarray(tokens, dtype=np.int32), min_n, max_n, k).tolist()
+    return find_draft(np.asarray(tokens, dtype=np.int32), min_n, max_n, k)[0].tolist()
 
 
 def test_longest_ngram_wins_over_a_more_recent_shorter_one() -> None:
