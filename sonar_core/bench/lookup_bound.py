@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_core.spec_decode.depth import AdaptiveDepth
+from sonar_core.spec_decode.depth import AdaptiveDepth, PositionCounts, matched_prefix
 from sonar_core.spec_decode.prompt_lookup import TOKEN_DTYPE, draft_after, find_match_end
 
-# depth(n, drafts, answer_continuation) -> how many of the drafts to verify
-DepthPolicy = Callable[[int, np.ndarray, Sequence[int]], int]
+# depth(request, n, drafts, answer_continuation) -> how many of the drafts to verify; ``request``
+# is the answer's index, so a policy that learns per request knows where one ends
+DepthPolicy = Callable[[int, int, np.ndarray, Sequence[int]], int]
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,6 @@ class Replay:
         return self.tokens / self.cost
 
 
-def accepted_prefix(drafts: np.ndarray, continuation: Sequence[int]) -> int:
-    """How many leading drafts equal the answer's next tokens."""
-    count = 0
-    while count < len(drafts) and count < len(continuation) and drafts[count] == continuation[count]:
-        count += 1
-    return count
-
-
 class OnlineAuto:
     """``depth_policy: "auto"`` replayed as the engine runs it for prompt lookup: each step cuts
     the whole draft to a depth chosen from what the earlier steps measured, then scores the whole
@@ -86,19 +79,18 @@ class OnlineAuto:
         self.by_match_length = by_match_length
         self.request = 0
 
-    def __call__(self, n: int, drafts: np.ndarray, continuation: Sequence[int]) -> int:
-        request_id = str(self.request)
+    def __call__(self, request: int, n: int, drafts: np.ndarray, continuation: Sequence[int]) -> int:
+        if request != self.request:  # the previous request finished, as the engine releases it
+            self.depth.forget(str(self.request))
+            self.request = request
+        request_id = str(request)
         source = n if self.by_match_length else None
         chosen = self.depth.choose([request_id], [len(drafts)], [source])[0]
-        emitted = continuation[: accepted_prefix(drafts[:chosen], continuation) + 1]
+        emitted = continuation[: matched_prefix(drafts[:chosen], continuation) + 1]
         if len(drafts):
             self.depth.observe_outcome(request_id, drafts.tolist(), emitted, source)
         self.depth.observe_step(1 + chosen, len(drafts), self.row_costs[chosen], 0.0)
         return chosen
-
-    def end_request(self) -> None:
-        self.depth.forget(str(self.request))
-        self.request += 1
 
 
 def replay(
@@ -112,7 +104,7 @@ def replay(
     """Run ``depth`` over every ``(prompt, greedy answer)`` pair (see the module docstring)."""
     tokens = steps = verified = 0
     cost = 0.0
-    for prompt, answer in answers:
+    for request, (prompt, answer) in enumerate(answers):
         sequence = np.array(list(prompt) + list(answer), dtype=TOKEN_DTYPE)
         done = 0
         while done < len(answer):
@@ -120,15 +112,13 @@ def replay(
             end, n = find_match_end(context, min_n, max_n)
             drafts = draft_after(context, end, max_depth)
             continuation = answer[done:]
-            verified_here = min(depth(n, drafts, continuation), len(drafts))
-            emitted = min(accepted_prefix(drafts[:verified_here], continuation) + 1, len(continuation))
+            verified_here = min(depth(request, n, drafts, continuation), len(drafts))
+            emitted = min(matched_prefix(drafts[:verified_here], continuation) + 1, len(continuation))
             done += emitted
             tokens += emitted
             steps += 1
             verified += verified_here
             cost += row_costs[verified_here]
-        if isinstance(depth, OnlineAuto):
-            depth.end_request()
     return Replay(tokens, steps, verified, cost)
 
 
@@ -137,17 +127,14 @@ def acceptance_by_match_length(
 ) -> np.ndarray:
     """``[max_n + 1, max_depth]``: the rate at which draft ``j`` is accepted once drafts ``0..j-1``
     were, for each matched n-gram length, replaying full-depth lookup."""
-    reached = np.zeros((max_n + 1, max_depth))
-    accepted = np.zeros((max_n + 1, max_depth))
+    counts = [PositionCounts.zeros(max_depth) for _ in range(max_n + 1)]
 
-    def record(n: int, drafts: np.ndarray, continuation: Sequence[int]) -> int:
-        count = accepted_prefix(drafts, continuation)
-        reached[n, : min(len(drafts), count + 1)] += 1
-        accepted[n, :count] += 1
+    def record(request: int, n: int, drafts: np.ndarray, continuation: Sequence[int]) -> int:
+        counts[n].observe(len(drafts), matched_prefix(drafts, continuation))
         return len(drafts)
 
     replay(answers, min_n, max_n, max_depth, record, [0.0] * (max_depth + 1))
-    return accepted / np.maximum(reached, 1)
+    return np.stack([c.accepted / np.maximum(c.reached, 1) for c in counts])
 
 
 def best_depths(rates: np.ndarray, row_costs: Sequence[float]) -> list[int]:
@@ -167,11 +154,11 @@ def policies(
     """The fixed, online auto, by-match-length and clairvoyant policies for one lookup range."""
     by_length = best_depths(acceptance_by_match_length(answers, min_n, max_n, max_depth), row_costs)
     return {
-        f"fixed k={max_depth}": lambda n, drafts, continuation: len(drafts),
+        f"fixed k={max_depth}": lambda request, n, drafts, continuation: len(drafts),
         f"auto, one rate per position (k<={max_depth})": OnlineAuto(max_depth, row_costs, by_match_length=False),
         f"auto, rates per match length (k<={max_depth})": OnlineAuto(max_depth, row_costs, by_match_length=True),
-        f"by match length (k<={max_depth}: {by_length[min_n:]})": lambda n, drafts, continuation: by_length[n],
-        f"clairvoyant (k<={max_depth})": lambda n, drafts, continuation: accepted_prefix(drafts, continuation),
+        f"by match length (k<={max_depth}: {by_length[min_n:]})": lambda request, n, drafts, continuation: by_length[n],
+        f"clairvoyant (k<={max_depth})": lambda request, n, drafts, continuation: matched_prefix(drafts, continuation),
     }
 
 
@@ -226,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    # The replayed auto policy logs every change of depth, which here means every step.
+    # The replayed auto policy logs each time speculation turns off or on, which a replay of many
+    # short answers does often.
     logging.getLogger("sonar.spec_decode").setLevel(logging.WARNING)
     depths = [int(depth) for depth in args.depths.split(",")]
     llm = LLM(model=args.model, dtype=args.dtype)

@@ -37,14 +37,14 @@ MIN_FACTOR_WEIGHT = 2.0
 
 
 @dataclass
-class _PositionCounts:
+class PositionCounts:
     """How often position j was reached (all earlier drafts accepted) and accepted."""
 
     reached: np.ndarray
     accepted: np.ndarray
 
     @classmethod
-    def zeros(cls, depth: int) -> _PositionCounts:
+    def zeros(cls, depth: int) -> PositionCounts:
         return cls(np.zeros(depth), np.zeros(depth))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -158,14 +158,14 @@ class AdaptiveDepth:
 
     max_depth: int
     costs: StepCostModel = field(default_factory=StepCostModel)
-    _global: _PositionCounts = field(init=False)
-    _sources: dict[Hashable, _PositionCounts] = field(default_factory=dict)
-    _requests: dict[str, dict[Hashable, _PositionCounts]] = field(default_factory=dict)
+    _global: PositionCounts = field(init=False)
+    _sources: dict[Hashable, PositionCounts] = field(default_factory=dict)
+    _requests: dict[str, dict[Hashable, PositionCounts]] = field(default_factory=dict)
     # Whether the last logged decision was to draft (None: nothing logged yet).
     _drafting: bool | None = None
 
     def __post_init__(self) -> None:
-        self._global = _PositionCounts.zeros(self.max_depth)
+        self._global = PositionCounts.zeros(self.max_depth)
 
     def observe_verification(
         self, request_id: str, num_drafted: int, num_accepted: int, source: Hashable = None
@@ -173,8 +173,8 @@ class AdaptiveDepth:
         """Record that ``num_accepted`` of ``num_drafted`` drafts labelled ``source`` were accepted."""
         for counts in (
             self._global,
-            self._sources.setdefault(source, _PositionCounts.zeros(self.max_depth)),
-            self._requests.setdefault(request_id, {}).setdefault(source, _PositionCounts.zeros(self.max_depth)),
+            self._sources.setdefault(source, PositionCounts.zeros(self.max_depth)),
+            self._requests.setdefault(request_id, {}).setdefault(source, PositionCounts.zeros(self.max_depth)),
         ):
             counts.observe(num_drafted, num_accepted)
 
@@ -185,9 +185,7 @@ class AdaptiveDepth:
         verified alike (such a draft is accepted exactly as often as the target's next token equals
         it): positions up to the first mismatch, or as many as ``emitted`` covers; later ones are
         unknown and left out."""
-        matched = 0
-        while matched < min(len(drafts), len(emitted)) and emitted[matched] == drafts[matched]:
-            matched += 1
+        matched = matched_prefix(drafts, emitted)
         observed = matched + 1 if matched < min(len(drafts), len(emitted)) else matched
         self.observe_verification(request_id, observed, matched, source)
 
@@ -256,8 +254,16 @@ class AdaptiveDepth:
             )
 
 
-def _shrink(counts: _PositionCounts | None, prior: np.ndarray) -> np.ndarray:
+def _shrink(counts: PositionCounts | None, prior: np.ndarray) -> np.ndarray:
     """Rates from ``counts`` pulled towards ``prior`` by PRIOR_STRENGTH pseudo-observations."""
     if counts is None:
         return prior
     return (counts.accepted + PRIOR_STRENGTH * prior) / (counts.reached + PRIOR_STRENGTH)
+
+
+def matched_prefix(drafts: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray) -> int:
+    """How many leading drafts equal the tokens that came where they were drafted."""
+    count = 0
+    while count < min(len(drafts), len(tokens)) and drafts[count] == tokens[count]:
+        count += 1
+    return count

@@ -76,7 +76,7 @@ def test_online_auto_learns_which_match_lengths_pay():
     one_rate = OnlineAuto(5, COSTS, by_match_length=False)
     for _ in range(60):  # long matches copy right, short ones wrong
         for policy in (by_length, one_rate):
-            policy(5, drafts, right)
-            policy(2, drafts, wrong)
-    assert (by_length(5, drafts, right), by_length(2, drafts, wrong)) == (5, 0)
-    assert one_rate(5, drafts, right) == one_rate(2, drafts, wrong)
+            policy(0, 5, drafts, right)
+            policy(0, 2, drafts, wrong)
+    assert (by_length(0, 5, drafts, right), by_length(0, 2, drafts, wrong)) == (5, 0)
+    assert one_rate(0, 5, drafts, right) == one_rate(0, 2, drafts, wrong)
