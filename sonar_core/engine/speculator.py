@@ -188,7 +188,7 @@ class Speculator:
             raise RuntimeError(
                 f"proposer {type(self.proposer).__name__} declares free_drafts but returned no sources"
             )
-        drafts = [list(tokens) for tokens in proposal.token_ids]
+        drafts = list(proposal.token_ids)
         drafting = _drafting(items)
         chosen = self.depth.choose(
             [items[i].seq.request_id for i in drafting],
