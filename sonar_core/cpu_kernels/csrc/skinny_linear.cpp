@@ -65,8 +65,8 @@ inline float bits_to_float(uint32_t bits) {
 // inputs) and one packed weight row of the block, and the multiply-add of the two into Acc.
 // Each path states its register tiles: kTileBlocks x kTileRows for several rows, kPairRowBlocks
 // for two rows and kSingleRowBlocks for one (enough independent accumulators to hide the
-// multiply-add latency, and enough weight streams in flight to keep the memory busy), and
-// kWideTileRows, where larger than kTileRows, for the calls of kTileRows + 1 to kWideTileRows rows.
+// multiply-add latency, and enough weight streams in flight to keep the memory busy); a path may
+// also give its own one-block tile for up to kBlockRows rows (block_rows).
 // AVX-512's 32 registers hold 24 accumulators of 6 blocks x 4 rows, or 16 of 8 blocks x 2 rows
 // beside their weight rows. Measured on SmolLM2's 121 projections (2-core Xeon with AMX,
 // bfloat16, 2 threads, the two builds alternating in one process, median of 28 rounds, twice):
@@ -92,7 +92,6 @@ struct F32 {
   using X = float;  // x's elements as the tile reads them (bfloat16 ones are widened first)
   static constexpr int64_t kInputs = 1;  // inputs per packed row
   static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 8, kSingleRowBlocks = 8;
-  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     __m512 v;
   };
@@ -108,7 +107,6 @@ struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 8, kSingleRowBlocks = 8;
-  static constexpr int kWideTileRows = kTileRows;
 #if defined(__AVX512BF16__)
   using X = uint16_t;
   struct Input {
@@ -147,16 +145,13 @@ struct Bf16 {
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2's 16 registers: float32 tiles of 2 blocks x 3 rows (12 accumulators), 3 blocks for two
-// rows; bfloat16 widens each weight row into four registers, so its tiles are 1 block x 4 rows and
-// 2 blocks for one or two rows. Measured on an AMD EPYC (AVX2, 2 cores, 2 threads) over SmolLM2's
-// 121 projections, the variants alternating in one process (median of 25 rounds): bfloat16 1 / 2 /
+// rows; bfloat16 widens each weight row into four registers, so its tiles are 2 blocks for two
+// rows, 4 for one, and for more rows one block by up to six rows (Bf16::block_rows, which widens
+// half a row at a time). Measured on an AMD EPYC (AVX2, 2 cores, 2 threads) over SmolLM2's 121
+// projections, the variants alternating in one process (median of 25 rounds): bfloat16 1 / 2 /
 // 4 / 6 rows 11.26 / 14.42 / 12.71 / 18.51 ms with the former 1-block tiles and x widened per
-// step, 10.79 / 11.54 / 11.12 / 16.56 now; float32 2 / 3 / 6 rows 19.74 / 22.41 / 28.10 ms with
-// 2 x 2 tiles, 18.94 / 19.62 / 25.67 now.
-// Five or six bfloat16 rows (verifying four or five drafts) take one tile of six rows, so the
-// weights are read once: it spills a little, so more rows keep to tiles of four (the same
-// machine, alternating, three sittings: 5 rows 18.05 / 25.23 -> 15.62 / 23.00 ms, 6 rows 16.46 /
-// 19.09 / 21.67 -> 14.98 / 17.18 / 20.56; 12 rows in tiles of six 27.16 -> 30.35).
+// step, 10.79 / 11.54 / 11.12 / 16.56 with the array tiles; float32 2 / 3 / 6 rows 19.74 / 22.41 /
+// 28.10 ms with 2 x 2 tiles, 18.94 / 19.62 / 25.67 now.
 constexpr const char* kPath = "avx2";
 
 struct Acc {
@@ -173,7 +168,6 @@ struct F32 {
   using X = float;
   static constexpr int64_t kInputs = 1;
   static constexpr int kTileBlocks = 2, kTileRows = 3, kPairRowBlocks = 3, kSingleRowBlocks = 4;
-  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     __m256 v;
   };
@@ -191,8 +185,7 @@ struct F32 {
 struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
-  static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 2, kSingleRowBlocks = 4;
-  static constexpr int kWideTileRows = 6;
+  static constexpr int kTileBlocks = 1, kTileRows = 6, kPairRowBlocks = 2, kSingleRowBlocks = 4;
   using X = float;
   struct Input {
     __m256 even, odd;
@@ -214,6 +207,54 @@ struct Bf16 {
     a.lo = _mm256_fmadd_ps(x.odd, w.odd_lo, a.lo);
     a.hi = _mm256_fmadd_ps(x.odd, w.odd_hi, a.hi);
   }
+
+  // One block for up to kBlockRows rows, every accumulator a named variable. GCC keeps an array
+  // of vector accumulators (array_tile) partly in memory at this many rows, storing them back on
+  // every step, and Row's four widened weight registers leave too few for six rows. Here the
+  // even inputs' weights are widened and used by every row, then the odd ones', so twelve
+  // accumulators, two weights and a broadcast fit the sixteen registers; kept out of line, as
+  // inlined into tiles() GCC hoists the broadcasts and spills again. Each accumulator still
+  // takes even then odd, step by step, as fma() does: the same bits as the other tiles.
+  // Measured: docs/performance.md ("Verification rows on AVX2").
+  static constexpr int kBlockRows = 6;
+  template <int kRows>
+  __attribute__((noinline)) static void block_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t steps, float* acc_out) {
+    static_assert(kRows >= 1 && kRows <= kBlockRows);
+    const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#define SONAR_ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
+    SONAR_EACH_ROW(SONAR_ZERO)
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s + kPrefetchRows < steps) prefetch(w + (s + kPrefetchRows) * kBlock * kInputs);
+      const auto* pairs = reinterpret_cast<const __m256i*>(w + s * kBlock * kInputs);
+      __m256 weight_lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs), 16));
+      __m256 weight_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs + 1), 16));
+#define SONAR_FMA(r, input)                                                   \
+  if constexpr (r < kRows) {                                                  \
+    const __m256 x_r = _mm256_broadcast_ss(x + r * x_stride + 2 * s + input); \
+    lo##r = _mm256_fmadd_ps(x_r, weight_lo, lo##r);                           \
+    hi##r = _mm256_fmadd_ps(x_r, weight_hi, hi##r);                           \
+  }
+#define SONAR_EVEN(r) SONAR_FMA(r, 0)
+#define SONAR_ODD(r) SONAR_FMA(r, 1)
+      SONAR_EACH_ROW(SONAR_EVEN)
+      weight_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs), odd_mask));
+      weight_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs + 1), odd_mask));
+      SONAR_EACH_ROW(SONAR_ODD)
+    }
+#define SONAR_STORE(r)                                     \
+  if constexpr (r < kRows) {                               \
+    _mm256_storeu_ps(acc_out + r * kBlock, lo##r);         \
+    _mm256_storeu_ps(acc_out + r * kBlock + 8, hi##r);     \
+  }
+    SONAR_EACH_ROW(SONAR_STORE)
+#undef SONAR_STORE
+#undef SONAR_ODD
+#undef SONAR_EVEN
+#undef SONAR_FMA
+#undef SONAR_ZERO
+#undef SONAR_EACH_ROW
+  }
 };
 
 #else
@@ -230,7 +271,6 @@ struct F32 {
   using X = float;
   static constexpr int64_t kInputs = 1;
   static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 1, kSingleRowBlocks = 1;
-  static constexpr int kWideTileRows = kTileRows;
   struct Input {
     float v;
   };
@@ -248,7 +288,6 @@ struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 1, kTileRows = 4, kPairRowBlocks = 1, kSingleRowBlocks = 1;
-  static constexpr int kWideTileRows = kTileRows;
   using X = float;
   struct Input {
     float even, odd;
@@ -269,11 +308,17 @@ struct Bf16 {
 
 // ---- the register tile: kRows rows of x against kBlocks packed blocks --------------------------
 
+// Whether a path has its own one-block tile for a few rows (P::block_rows, up to P::kBlockRows).
+template <typename P, typename = void>
+constexpr int kBlockRowsOf = 0;
+template <typename P>
+constexpr int kBlockRowsOf<P, std::void_t<decltype(P::kBlockRows)>> = P::kBlockRows;
+
 // acc_out[r][j * 16 + l]: row r, output l of block j, for rows 0..kRows-1 (x's row stride is
 // x_stride inputs; a block is block_stride weights apart from the next).
 template <typename P, int kBlocks, int kRows>
-inline void tile(const typename P::X* x, int64_t x_stride, const typename P::Weight* w, int64_t block_stride,
-                 int64_t steps, float* acc_out) {
+inline void array_tile(const typename P::X* x, int64_t x_stride, const typename P::Weight* w, int64_t block_stride,
+                       int64_t steps, float* acc_out) {
   Acc acc[kRows][kBlocks];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kBlocks; ++j) acc[r][j] = Acc::zero();
@@ -290,6 +335,16 @@ inline void tile(const typename P::X* x, int64_t x_stride, const typename P::Wei
   }
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kBlocks; ++j) acc[r][j].store(acc_out + (r * kBlocks + j) * kBlock);
+}
+
+template <typename P, int kBlocks, int kRows>
+inline void tile(const typename P::X* x, int64_t x_stride, const typename P::Weight* w, int64_t block_stride,
+                 int64_t steps, float* acc_out) {
+  if constexpr (kBlocks == 1 && kRows <= kBlockRowsOf<P>) {
+    P::template block_rows<kRows>(x, x_stride, w, steps, acc_out);
+  } else {
+    array_tile<P, kBlocks, kRows>(x, x_stride, w, block_stride, steps, acc_out);
+  }
 }
 
 // The same tile for the rows and blocks actually left (fewer at the edges): the compiled tile
@@ -362,8 +417,6 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
       tiles<T, P, P::kSingleRowBlocks, 1>(xp, wp, bp, op, 1, begin, end, inputs, outputs, steps);
     } else if (rows == 2) {
       tiles<T, P, P::kPairRowBlocks, 2>(xp, wp, bp, op, 2, begin, end, inputs, outputs, steps);
-    } else if (P::kWideTileRows > P::kTileRows && rows > P::kTileRows && rows <= P::kWideTileRows) {
-      tiles<T, P, P::kTileBlocks, P::kWideTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
     } else {
       tiles<T, P, P::kTileBlocks, P::kTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
     }
