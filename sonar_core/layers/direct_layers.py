@@ -8,11 +8,12 @@ matmuls alone took. The layers that qualify (:meth:`DirectLayer.of`: the pre-nor
 Qwen2, Qwen3 and MiMo, SiLU, no output gate, on one rank) take the same kernels with the same
 arguments in the same order as their modules would, so the output is the same bits; a
 step or layer the kernels do not take (autograd, a dtype or row count they are not built for, a
-weight not packed for them, attention not in place) runs its module instead.
+weight not packed for them) runs its module instead.
 
 Consecutive direct layers without per-head q/k norms run as one call of the ``decoder_layers``
-kernel (``csrc/decoder_layers.cpp``), the same kernel calls looped in C++; a run ends where a
-hidden-state capture records a layer's output.
+kernel (``csrc/decoder_layers.cpp``), the same kernel calls looped in C++, in steps that attend
+in place; a run ends where a hidden-state capture records a layer's output. Steps with longer
+rows (prefill chunks, verification of more drafts) run the direct layers one by one.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class DirectLayer:
         ops.rotary_embedding_(qk, cos, signed_sin)
         v = qkv[:, self.qk_rows :].view(tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv_(qk[:, self.num_heads :], v, k_cache, v_cache, metadata.slot_mapping)
-        attended = self.attention.attend_in_place(ops, qk[:, : self.num_heads], kv_cache, metadata)
+        attended = self.attention.attend(qk[:, : self.num_heads], kv_cache, metadata)
         out = ops.skinny_linear(attended, o_weight, self.o.bias, self.o.out_features)
         normed, hidden = ops.add_rms_norm(out, hidden, self.post_norm.weight, self.post_norm.eps)
         gate_up = ops.skinny_linear(normed, gate_up_weight, self.gate_up.bias, self.gate_up.out_features)
@@ -203,7 +204,9 @@ def run_with_attention_input(
     modules). ``cos``/``signed_sin``: ``[T, 1, rotary_dim]``."""
     if not plan.stackable or not attention_input.is_contiguous() or attention_input.dtype != hidden.dtype:
         return None
-    ops = _kernels_for(hidden, metadata)
+    if not attends_in_place(metadata):
+        return None
+    ops = _kernels_for(hidden)
     packed = None if ops is None else plan.packed_weights(hidden, kv_cache)
     if packed is None:
         return None
@@ -226,16 +229,18 @@ def run_layers(
     the kernels take it and through its module otherwise, consecutive stackable ones in one kernel
     call; ``cos``/``signed_sin`` are the step's ``[T, 1, rotary_dim]`` tables. ``record(k, state)``
     gets the state after ``k`` layers for every ``k`` in ``recorded`` (a hidden-state capture's)."""
-    ops = _kernels_for(hidden, metadata)
+    ops = _kernels_for(hidden)
     if ops is not None:
         flat_cos, flat_sin = _flat_tables(cos, signed_sin)
+    # The stack kernel attends in place; a step with longer rows runs its layers one by one.
+    stacks = attends_in_place(metadata)
     stack: list[StackEntries] = []
     for index, layer in enumerate(layers):
         plan = direct[index]
         packed = None
         if ops is not None and plan is not None and plan.module is layer:
             packed = plan.packed_weights(hidden, kv_caches[index])
-        if packed is not None and plan is not None and plan.stackable:
+        if packed is not None and plan is not None and plan.stackable and stacks:
             stack.append(plan.stack_entries(packed, kv_caches[index]))
             if index + 1 < len(layers) and index + 1 not in recorded:
                 continue  # the run goes on
@@ -276,11 +281,14 @@ def _flat_tables(cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple[torch.Ten
     return cos.reshape(tokens, -1), signed_sin.reshape(tokens, -1)
 
 
-def _kernels_for(hidden: torch.Tensor, metadata: AttentionMetadata) -> Any:
+def _kernels_for(hidden: torch.Tensor) -> Any:
     """The kernels when this step's layers may run directly: inference (no autograd), a
-    contiguous ``[T, hidden]`` CPU input of a dtype the matmul kernel packs, attention in place."""
+    contiguous ``[T, hidden]`` CPU input of a dtype the matmul kernel packs. Whatever the rows'
+    lengths: a row too long to attend in place takes the gathered attention inside a direct
+    layer, as it would inside the module (verifying nine rows through the modules cost 2.9
+    decode steps against 1.9 for eight rows on an AVX2 EPYC: docs/performance.md)."""
     if _Switch.off or torch.is_grad_enabled() or hidden.dim() != 2 or not hidden.is_contiguous():
         return None
-    if hidden.dtype not in cpu_kernels.SKINNY_DTYPES or not attends_in_place(metadata):
+    if hidden.dtype not in cpu_kernels.SKINNY_DTYPES:
         return None
     return cpu_kernels.for_tensor(hidden)

@@ -36,8 +36,9 @@ def _steps(vocab: int) -> list[dict[str, list[int]]]:
 
 
 def _in_place(new: dict[str, list[int]]) -> bool:
-    """Whether a step's attention runs in place (so its layers may run directly): decodes always,
-    up to 8 queries per sequence where the kernels verify in place (AVX-512 and AVX2 builds)."""
+    """Whether a step's attention runs in place (so its layers may run as one stack kernel call):
+    decodes always, up to 8 queries per sequence where the kernels verify in place (AVX-512 and
+    AVX2 builds)."""
     longest = max(len(tokens) for tokens in new.values())
     return longest == 1 or (longest <= 8 and cpu_kernels.attention_verifies_in_place())
 
@@ -103,12 +104,16 @@ def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, pa
     direct, _, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
     modules, _, module_calls = _run(model, paged_runner, steps, monkeypatch, direct=False)
     assert module_calls.layers == 0
-    # Never the prefill's layers: its 11-token prompt is more queries than attention in place takes.
-    direct_steps = sum(map(_in_place, steps))
-    assert direct_calls.layers == direct_steps * model.num_layers > 0
-    # Layers without per-head q/k norms run as one kernel call per step.
+    # Every step runs its layers directly, the prefill's too (its 11-token prompt gathers the
+    # context for attention inside the direct layers).
+    assert direct_calls.layers == len(steps) * model.num_layers
+    # Layers without per-head q/k norms run as one kernel call per step that attends in place,
+    # one by one in the others.
+    in_place_steps = sum(map(_in_place, steps))
+    assert 0 < in_place_steps < len(steps)
     stacked = arch != "qwen3"
-    assert (direct_calls.stacks, direct_calls.single) == ((direct_steps, 0) if stacked else (0, direct_calls.layers))
+    expected_calls = (in_place_steps, (len(steps) - in_place_steps) * model.num_layers)
+    assert (direct_calls.stacks, direct_calls.single) == (expected_calls if stacked else (0, direct_calls.layers))
     for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
         for seq in expected:
             assert torch.equal(got[seq], expected[seq]), f"step {number} {seq}"
@@ -132,13 +137,20 @@ def test_a_capture_splits_the_stack_and_records_the_modules_states(dtype, checkp
         assert all(torch.equal(got[seq], expected[seq]) for seq in expected)
 
 
-def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner, monkeypatch):
-    """A prompt of more queries than attention in place takes, a replaced layer, autograd, and a
-    layer with an output gate (Qwen3-Next's attention)."""
+def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one(checkpoints, paged_runner, monkeypatch):
+    """A 20-token prompt and a row verifying 11 drafts: direct layers, no stack kernel call."""
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
-    _, _, calls = _run(model, paged_runner, [{"a": list(range(20))}], monkeypatch, direct=True)
-    assert calls.layers == 0
+    steps = [{"a": list(range(20))}, {"a": list(range(20, 32))}]
+    direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
+    modules, _, _ = _run(model, paged_runner, steps, monkeypatch, direct=False)
+    assert (calls.single, calls.stacks) == (2 * model.num_layers, 0)
+    for got, expected in zip(direct, modules, strict=True):
+        assert torch.equal(got["a"], expected["a"])
 
+
+def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner, monkeypatch):
+    """A replaced layer, autograd, and a layer with an output gate (Qwen3-Next's attention)."""
+    model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
     runner = paged_runner(model, block_size=4)
     model._direct_layers()[0] = DirectLayer.of(model.model.layers[1])  # stale: not the layer it stands for
     _, _, calls = _run(model, paged_runner, [{"a": [1]}], monkeypatch, direct=True)
