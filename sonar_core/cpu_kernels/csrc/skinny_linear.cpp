@@ -152,9 +152,9 @@ struct Bf16 {
 // the former 1-block tiles and x widened per step, 10.79 / 11.54 / 11.12 / 16.56 with array tiles;
 // float32 2 / 3 / 6 rows 19.74 / 22.41 / 28.10 ms with 2 x 2 tiles, 18.94 / 19.62 / 25.67 now.
 // Float32 keeps the array tiles: named ones of one block by six rows measured no better there
-// (AVX2 EPYC, alternating in one process, a busy hour: 3 / 4 / 6 / 8 rows 32.6 / 38.6 / 39.8 /
-// 47.5 ms for the array tiles, 38.9 / 40.4 / 37.3 / 45.8 named; float32 reads twice the bytes, so
-// two weight streams per tile count for more than the spills).
+// (the same EPYC, a stand-alone copy of both tiles alternating in one process, a busy hour: 3 / 4 /
+// 6 / 8 rows 32.6 / 38.6 / 39.8 / 47.5 ms for the array tiles, 38.9 / 40.4 / 37.3 / 45.8 named;
+// float32 reads twice the bytes, so two weight streams per tile count for more than the spills).
 constexpr const char* kPath = "avx2";
 
 struct Acc {
