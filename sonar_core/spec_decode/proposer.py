@@ -67,10 +67,10 @@ class ProposerCapabilities:
     max_depth: int | None = None
     # True: propose() drafts at next to no cost however long the drafts (prompt lookup, suffix
     # decoding), its drafts are one-hot (no probs), and DraftProposal.sources labels what each
-    # request's drafts rest on. With depth_policy "auto" the engine then asks for whole budgets, cuts each request's
-    # drafts to the depth that pays for their source, and learns acceptance from the whole drafts
-    # against the tokens the request goes on to emit, cut ones included (a one-hot draft is
-    # accepted exactly as often as the target's next token equals it).
+    # request's drafts rest on. With depth_policy "auto" the engine then asks for whole budgets,
+    # cuts each request's drafts to the depth that pays for their source, and learns acceptance
+    # from the whole drafts against the tokens the request goes on to emit, cut ones included (a
+    # one-hot draft is accepted exactly as often as the target's next token equals it).
     free_drafts: bool = False
     # Whether a request may start after blocks another request left in the prefix cache when the
     # proposer keeps KV layers or reads target states per position. None (the default): it may
