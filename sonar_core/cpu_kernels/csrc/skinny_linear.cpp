@@ -146,7 +146,7 @@ struct Bf16 {
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2's 16 registers: float32 tiles of 2 blocks x 3 rows (12 accumulators), 3 blocks for two
 // rows; bfloat16 widens each weight row into four registers, so its tiles are 2 blocks for two
-// rows, 4 for one, and one block by up to six rows for more (NamedBlockRows). Measured on an AMD
+// rows, 4 for one, and one block by up to six rows for more (Bf16::block_rows). Measured on an AMD
 // EPYC (AVX2, 2 cores, 2 threads) over SmolLM2's 121 projections, the variants alternating in one
 // process (median of 25 rounds): bfloat16 1 / 2 / 4 / 6 rows 11.26 / 14.42 / 12.71 / 18.51 ms with
 // the former 1-block tiles and x widened per step, 10.79 / 11.54 / 11.12 / 16.56 with array tiles;
@@ -163,53 +163,6 @@ struct Acc {
   void store(float* out) const {
     _mm256_storeu_ps(out, lo);
     _mm256_storeu_ps(out + 8, hi);
-  }
-};
-
-// One block for up to six rows, every accumulator a named variable (P: Bf16 below, whose widen()
-// gives one packed row's weights for one of its inputs, in two registers). GCC keeps an
-// array of vector accumulators (array_tile) partly in memory at this many rows, storing them back
-// on every step, and bfloat16's four widened weight registers leave too few for six rows. Here
-// the weights of one input at a time are widened and used by every row, so twelve accumulators,
-// two weights and a broadcast fit the sixteen registers; kept out of line, as inlined into
-// tiles() GCC hoists the broadcasts and spills again. Each accumulator takes the inputs in the
-// order fma() does: the same bits as the other tiles. Measured: docs/performance.md
-// ("Verification rows on AVX2").
-template <typename P>
-struct NamedBlockRows {
-  static constexpr int kBlockRows = 6;
-  template <int kRows, typename Weight>
-  __attribute__((noinline)) static void block_rows(const float* x, int64_t x_stride, const Weight* w, int64_t steps,
-                                                   float* acc_out) {
-    static_assert(kRows >= 1 && kRows <= kBlockRows);
-    constexpr int64_t row_width = kBlock * P::kInputs;
-#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
-#define SONAR_ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
-#define SONAR_FMA(r)                                                                \
-  if constexpr (r < kRows) {                                                        \
-    const __m256 x_r = _mm256_broadcast_ss(x + r * x_stride + s * P::kInputs + input); \
-    lo##r = _mm256_fmadd_ps(x_r, weight_lo, lo##r);                                 \
-    hi##r = _mm256_fmadd_ps(x_r, weight_hi, hi##r);                                 \
-  }
-#define SONAR_STORE(r)                                 \
-  if constexpr (r < kRows) {                           \
-    _mm256_storeu_ps(acc_out + r * kBlock, lo##r);     \
-    _mm256_storeu_ps(acc_out + r * kBlock + 8, hi##r); \
-  }
-    SONAR_EACH_ROW(SONAR_ZERO)
-    for (int64_t s = 0; s < steps; ++s) {
-      if (s + kPrefetchRows < steps) prefetch(w + (s + kPrefetchRows) * row_width);
-      for (int input = 0; input < P::kInputs; ++input) {
-        __m256 weight_lo, weight_hi;
-        P::widen(w + s * row_width, input, weight_lo, weight_hi);
-        SONAR_EACH_ROW(SONAR_FMA)
-      }
-    }
-    SONAR_EACH_ROW(SONAR_STORE)
-#undef SONAR_STORE
-#undef SONAR_FMA
-#undef SONAR_ZERO
-#undef SONAR_EACH_ROW
   }
 };
 
@@ -232,7 +185,7 @@ struct F32 {
   }
 };
 
-struct Bf16 : NamedBlockRows<Bf16> {
+struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
   static constexpr int kTileBlocks = 1, kTileRows = 6, kPairRowBlocks = 2, kSingleRowBlocks = 4;
@@ -257,17 +210,54 @@ struct Bf16 : NamedBlockRows<Bf16> {
     a.lo = _mm256_fmadd_ps(x.odd, w.odd_lo, a.lo);
     a.hi = _mm256_fmadd_ps(x.odd, w.odd_hi, a.hi);
   }
-  // The weights of the even (input 0) or the odd (input 1) inputs of one packed row.
-  static void widen(const uint16_t* w, int input, __m256& lo, __m256& hi) {
-    const auto* pairs = reinterpret_cast<const __m256i*>(w);
-    if (input == 0) {
-      lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs), 16));
-      hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs + 1), 16));
-    } else {
-      const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-      lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs), odd_mask));
-      hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs + 1), odd_mask));
+
+  // One block for up to six rows, every accumulator a named variable. GCC keeps an array of
+  // vector accumulators (array_tile) partly in memory at this many rows, storing them back on
+  // every step, and Row's four widened weight registers leave too few for six rows. Here the even
+  // inputs' weights are widened and used by every row, then the odd ones', so twelve
+  // accumulators, two weights and a broadcast fit the sixteen registers; kept out of line, as
+  // inlined into tiles() GCC hoists the broadcasts and spills again. Each accumulator takes even
+  // then odd, step by step, as fma() does: the same bits as the other tiles. Measured:
+  // docs/performance.md ("Verification rows on AVX2").
+  static constexpr int kBlockRows = 6;
+  template <int kRows>
+  __attribute__((noinline)) static void block_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t steps,
+                                                   float* acc_out) {
+    static_assert(kRows >= 1 && kRows <= kBlockRows);
+    const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#define SONAR_ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
+#define SONAR_FMA(r, input)                                                   \
+  if constexpr (r < kRows) {                                                  \
+    const __m256 x_r = _mm256_broadcast_ss(x + r * x_stride + 2 * s + input); \
+    lo##r = _mm256_fmadd_ps(x_r, weight_lo, lo##r);                           \
+    hi##r = _mm256_fmadd_ps(x_r, weight_hi, hi##r);                           \
+  }
+#define SONAR_EVEN(r) SONAR_FMA(r, 0)
+#define SONAR_ODD(r) SONAR_FMA(r, 1)
+#define SONAR_STORE(r)                                 \
+  if constexpr (r < kRows) {                           \
+    _mm256_storeu_ps(acc_out + r * kBlock, lo##r);     \
+    _mm256_storeu_ps(acc_out + r * kBlock + 8, hi##r); \
+  }
+    SONAR_EACH_ROW(SONAR_ZERO)
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s + kPrefetchRows < steps) prefetch(w + (s + kPrefetchRows) * kBlock * kInputs);
+      const auto* pairs = reinterpret_cast<const __m256i*>(w + s * kBlock * kInputs);
+      __m256 weight_lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs), 16));
+      __m256 weight_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pairs + 1), 16));
+      SONAR_EACH_ROW(SONAR_EVEN)
+      weight_lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs), odd_mask));
+      weight_hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pairs + 1), odd_mask));
+      SONAR_EACH_ROW(SONAR_ODD)
     }
+    SONAR_EACH_ROW(SONAR_STORE)
+#undef SONAR_STORE
+#undef SONAR_ODD
+#undef SONAR_EVEN
+#undef SONAR_FMA
+#undef SONAR_ZERO
+#undef SONAR_EACH_ROW
   }
 };
 
