@@ -65,8 +65,11 @@ inline float bits_to_float(uint32_t bits) {
 // inputs) and one packed weight row of the block, and the multiply-add of the two into Acc.
 // Each path states its register tiles: kTileBlocks x kTileRows for several rows, kPairRowBlocks
 // for two rows and kSingleRowBlocks for one (enough independent accumulators to hide the
-// multiply-add latency, and enough weight streams in flight to keep the memory busy); a path may
-// also give its own one-block tile for up to kBlockRows rows (block_rows).
+// multiply-add latency, and enough weight streams in flight to keep the memory busy), and may
+// state a second one, kTallTileBlocks x kTallTileRows, for more rows than kTileRows. A path may
+// also give its own tiles with every accumulator a named variable (named_tile, up to kNamedBlocks
+// blocks, kNamedRows rows and kNamedAccumulators blocks x rows): GCC keeps an array of vector
+// accumulators partly in memory once registers run short, or reloads the weights row by row.
 // AVX-512's 32 registers hold 24 accumulators of 6 blocks x 4 rows, or 16 of 8 blocks x 2 rows
 // beside their weight rows. Measured on SmolLM2's 121 projections (2-core Xeon with AMX,
 // bfloat16, 2 threads, the two builds alternating in one process, median of 28 rounds, twice):
@@ -122,6 +125,60 @@ struct Bf16 {
   }
   static Row row(const uint16_t* w) { return {(__m512bh)_mm512_loadu_si512(w)}; }
   static void fma(Acc& a, const Input& x, const Row& w) { a.v = _mm512_dpbf16_ps(a.v, x.pair, w.pairs); }
+
+
+  // Named tiles of up to 24 accumulators, each block's weight row loaded once a step and used by
+  // every row. From the array tiles GCC reloaded the weight row for every row (four loads of 64
+  // bytes per multiply-add group), and 6 x 4 tiles took two passes over the weights for five or
+  // six rows; five rows or more now take 4 x 6 tiles (one pass up to six, two up to twelve).
+  // Without AMX (AMD EPYC with AVX-512 BF16, 2 threads) this made engine steps of 6 / 8 / 12 / 16
+  // rows 4-8% faster; docs/performance.md ("On an AMD EPYC with AVX-512 BF16").
+  static constexpr int kTallTileBlocks = 4, kTallTileRows = 6;
+  static constexpr int kNamedBlocks = 6, kNamedRows = 6, kNamedAccumulators = 24;
+  template <int kBlocks, int kRows>
+  __attribute__((noinline)) static void named_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
+                                                   int64_t block_stride, int64_t steps, float* acc_out) {
+    static_assert(kBlocks >= 1 && kRows >= 1 && kBlocks <= kNamedBlocks && kRows <= kNamedRows &&
+                  kBlocks * kRows <= kNamedAccumulators);
+    constexpr int64_t row_width = kBlock * kInputs;
+#define SONAR_EACH_BLOCK(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3) M(r, 4) M(r, 5)
+#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#define SONAR_ZERO_ONE(r, j) __m512 a##r##j = _mm512_setzero_ps();
+#define SONAR_ZERO(r) SONAR_EACH_BLOCK(SONAR_ZERO_ONE, r)
+#define SONAR_LOAD(r, j) \
+  const __m512bh w##j = j < kBlocks ? (__m512bh)_mm512_loadu_si512(w + j * block_stride + at) : __m512bh{};
+#define SONAR_PREFETCH(r, j) if constexpr (j < kBlocks) prefetch(w + j * block_stride + ahead);
+#define SONAR_FMA_ONE(r, j) if constexpr (j < kBlocks) a##r##j = _mm512_dpbf16_ps(a##r##j, b, w##j);
+#define SONAR_FMA(r)                                                        \
+  if constexpr (r < kRows) {                                                \
+    uint32_t pair;                                                          \
+    std::memcpy(&pair, x + r * x_stride + 2 * s, sizeof(pair));             \
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); \
+    SONAR_EACH_BLOCK(SONAR_FMA_ONE, r)                                      \
+  }
+#define SONAR_STORE_ONE(r, j) \
+  if constexpr (j < kBlocks) _mm512_storeu_ps(acc_out + (r * kBlocks + j) * kBlock, a##r##j);
+#define SONAR_STORE(r) \
+  if constexpr (r < kRows) { SONAR_EACH_BLOCK(SONAR_STORE_ONE, r) }
+    SONAR_EACH_ROW(SONAR_ZERO)
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t at = s * row_width, ahead = (s + kPrefetchRows) * row_width;
+      if (s + kPrefetchRows < steps) { SONAR_EACH_BLOCK(SONAR_PREFETCH, 0) }
+      SONAR_EACH_BLOCK(SONAR_LOAD, 0)
+      SONAR_EACH_ROW(SONAR_FMA)
+    }
+    SONAR_EACH_ROW(SONAR_STORE)
+#undef SONAR_STORE
+#undef SONAR_STORE_ONE
+#undef SONAR_FMA
+#undef SONAR_FMA_ONE
+#undef SONAR_PREFETCH
+#undef SONAR_LOAD
+#undef SONAR_ZERO
+#undef SONAR_ZERO_ONE
+#undef SONAR_EACH_ROW
+#undef SONAR_EACH_BLOCK
+  }
 #else
   using X = float;
   struct Input {
@@ -146,7 +203,7 @@ struct Bf16 {
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2's 16 registers: float32 tiles of 2 blocks x 3 rows (12 accumulators), 3 blocks for two
 // rows; bfloat16 widens each weight row into four registers, so its tiles are 2 blocks for two
-// rows, 4 for one, and one block by up to six rows for more (Bf16::block_rows). Measured on an AMD
+// rows, 4 for one, and one block by up to six rows for more (Bf16::named_tile). Measured on an AMD
 // EPYC (AVX2, 2 cores, 2 threads) over SmolLM2's 121 projections, the variants alternating in one
 // process (median of 25 rounds): bfloat16 1 / 2 / 4 / 6 rows 11.26 / 14.42 / 12.71 / 18.51 ms with
 // the former 1-block tiles and x widened per step, 10.79 / 11.54 / 11.12 / 16.56 with array tiles;
@@ -219,11 +276,12 @@ struct Bf16 {
   // inlined into tiles() GCC hoists the broadcasts and spills again. Each accumulator takes even
   // then odd, step by step, as fma() does: the same bits as the other tiles. Measured:
   // docs/performance.md ("Verification rows on AVX2").
-  static constexpr int kBlockRows = 6;
-  template <int kRows>
-  __attribute__((noinline)) static void block_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t steps,
+  static constexpr int kNamedBlocks = 1, kNamedRows = 6, kNamedAccumulators = 6;
+  template <int kBlocks, int kRows>
+  __attribute__((noinline)) static void named_tile(const float* x, int64_t x_stride, const uint16_t* w,
+                                                   int64_t /*block_stride: one block*/, int64_t steps,
                                                    float* acc_out) {
-    static_assert(kRows >= 1 && kRows <= kBlockRows);
+    static_assert(kBlocks == 1 && kRows >= 1 && kRows <= kNamedRows);
     const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
 #define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
 #define SONAR_ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
@@ -312,11 +370,23 @@ struct Bf16 {
 
 // ---- the register tile: kRows rows of x against kBlocks packed blocks --------------------------
 
-// Whether a path has its own one-block tile for a few rows (P::block_rows, up to P::kBlockRows).
+// Whether a path has its own named tile (P::named_tile) for kBlocks x kRows.
+template <typename P, int kBlocks, int kRows, typename = void>
+constexpr bool kNamedTileFits = false;
+template <typename P, int kBlocks, int kRows>
+constexpr bool kNamedTileFits<P, kBlocks, kRows, std::void_t<decltype(P::kNamedRows)>> =
+    kBlocks <= P::kNamedBlocks && kRows <= P::kNamedRows && kBlocks * kRows <= P::kNamedAccumulators;
+
+// The tile for more rows than P::kTileRows: P::kTallTileBlocks x P::kTallTileRows where the path
+// states one, else its kTileBlocks x kTileRows.
 template <typename P, typename = void>
-constexpr int kBlockRowsOf = 0;
+struct TallTileOf {
+  static constexpr int kBlocks = P::kTileBlocks, kRows = P::kTileRows;
+};
 template <typename P>
-constexpr int kBlockRowsOf<P, std::void_t<decltype(P::kBlockRows)>> = P::kBlockRows;
+struct TallTileOf<P, std::void_t<decltype(P::kTallTileRows)>> {
+  static constexpr int kBlocks = P::kTallTileBlocks, kRows = P::kTallTileRows;
+};
 
 // acc_out[r][j * 16 + l]: row r, output l of block j, for rows 0..kRows-1 (x's row stride is
 // x_stride inputs; a block is block_stride weights apart from the next).
@@ -344,8 +414,8 @@ inline void array_tile(const typename P::X* x, int64_t x_stride, const typename 
 template <typename P, int kBlocks, int kRows>
 inline void tile(const typename P::X* x, int64_t x_stride, const typename P::Weight* w, int64_t block_stride,
                  int64_t steps, float* acc_out) {
-  if constexpr (kBlocks == 1 && kRows <= kBlockRowsOf<P>) {
-    P::template block_rows<kRows>(x, x_stride, w, steps, acc_out);
+  if constexpr (kNamedTileFits<P, kBlocks, kRows>) {
+    P::template named_tile<kBlocks, kRows>(x, x_stride, w, block_stride, steps, acc_out);
   } else {
     array_tile<P, kBlocks, kRows>(x, x_stride, w, block_stride, steps, acc_out);
   }
@@ -421,8 +491,11 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
       tiles<T, P, P::kSingleRowBlocks, 1>(xp, wp, bp, op, 1, begin, end, inputs, outputs, steps);
     } else if (rows == 2) {
       tiles<T, P, P::kPairRowBlocks, 2>(xp, wp, bp, op, 2, begin, end, inputs, outputs, steps);
-    } else {
+    } else if (rows <= P::kTileRows) {
       tiles<T, P, P::kTileBlocks, P::kTileRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
+    } else {
+      using Tall = TallTileOf<P>;
+      tiles<T, P, Tall::kBlocks, Tall::kRows>(xp, wp, bp, op, rows, begin, end, inputs, outputs, steps);
     }
   });
 }
