@@ -127,14 +127,15 @@ struct Bf16 {
   static void fma(Acc& a, const Input& x, const Row& w) { a.v = _mm512_dpbf16_ps(a.v, x.pair, w.pairs); }
 
 
-  // Named tiles of up to 24 accumulators, each block's weight row loaded once a step and used by
-  // every row. From the array tiles GCC reloaded the weight row for every row (four loads of 64
-  // bytes per multiply-add group), and 6 x 4 tiles took two passes over the weights for five or
-  // six rows; five rows or more now take 4 x 6 tiles (one pass up to six, two up to twelve).
-  // Without AMX (AMD EPYC with AVX-512 BF16, 2 threads) this made engine steps of 6 / 8 / 12 / 16
-  // rows 4-8% faster; docs/performance.md ("On an AMD EPYC with AVX-512 BF16").
+  // Five rows or more take tiles of 4 blocks x 6 rows (one pass over the weights up to six rows,
+  // two up to twelve, where the 6 x 4 tiles need two and three), with every accumulator a named
+  // variable and each block's weight row loaded once a step: from an array tile of 24
+  // accumulators GCC reloaded the weight row for every row. Without AMX (AMD EPYC with AVX-512
+  // BF16, 2 threads) engine steps of 6 / 8 / 12 / 16 rows took 3-8% less; named 6 x 4 tiles for
+  // three or four rows measured no better than the array ones (three rows worse), so named tiles
+  // stop at four blocks. docs/performance.md ("On an AMD EPYC with AVX-512 BF16").
   static constexpr int kTallTileBlocks = 4, kTallTileRows = 6;
-  static constexpr int kNamedBlocks = 6, kNamedRows = 6, kNamedAccumulators = 24;
+  static constexpr int kNamedBlocks = 4, kNamedRows = 6, kNamedAccumulators = 24;
   template <int kBlocks, int kRows>
   __attribute__((noinline)) static void named_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
                                                    int64_t block_stride, int64_t steps, float* acc_out) {
