@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar_core import cpu_kernels
+from sonar_core.cpu_features import cpu_flags
 from sonar_core.kv import KVCache, StateBatch
 from sonar_core.layers.long_rows import LongRow, attend_long_row
 
@@ -44,13 +45,25 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 # builds beat the gathered SDPA query by query), for verification steps of up to
 # IN_PLACE_MAX_QUERIES queries per sequence. Longer steps (prefill chunks) gather the context once
 # and let PyTorch's SDPA run its blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64),
-# bfloat16, 2 threads, a whole step in place against gathered: over 256 cached tokens 4 queries
+# bfloat16, 2 threads, a whole step in place against gathered, on a Xeon with AMX (eight queries
+# is the limit there): over 256 cached tokens 4 queries
 # 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over 2,048 tokens 4 queries
 # 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone over 2,048 tokens at
 # batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
+# Without AMX the AVX-512 kernel stays ahead up to 16 queries at both lengths measured: on an AMD EPYC with AVX-512 BF16 (2 threads, limit 8
+# against 16 in one process) steps of 9 / 12 / 16 rows over 2,048 cached tokens took 55.5 / 58.4 /
+# 71.6 ms gathered and 26.9 / 33.0 / 38.3 in place in bfloat16 (float32 69.4 / 74.3 / 91.7 and
+# 43.1 / 52.1 / 59.9), over 256 tokens 20.8 / 22.2 / 26.5 and 14.5 / 16.7 / 19.4.
 # A step with a longer row splits (:meth:`AttentionMetadata.split`): rows of up to this many queries
 # attend as one batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
-IN_PLACE_MAX_QUERIES = 8
+
+
+def in_place_max_queries(flags: frozenset[str]) -> int:
+    """The most queries per sequence that attend in place on a CPU with these flags."""
+    return 16 if "avx512f" in flags and "amx_bf16" not in flags else 8
+
+
+IN_PLACE_MAX_QUERIES = in_place_max_queries(cpu_flags())
 
 
 def attends_in_place(metadata: AttentionMetadata) -> bool:

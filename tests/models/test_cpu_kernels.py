@@ -19,6 +19,7 @@ from sonar_core.layers.attention import (
     AttentionMetadata,
     PagedAttention,
     attends_in_place,
+    in_place_max_queries,
 )
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
@@ -191,6 +192,15 @@ def test_layers_attend_in_place_for_decode_and_short_verification_steps():
     prefill = AttentionMetadata.build([IN_PLACE_MAX_QUERIES + 1], [40], [list(range(10))], 4, torch.device("cpu"))
     assert attends_in_place(decode) and not attends_in_place(prefill)
     assert attends_in_place(verify) == bool(ops.attention_verifies_in_place())
+
+
+def test_cpus_without_amx_attend_up_to_sixteen_queries_in_place():
+    """AMX makes the gathered path win past eight queries; an AVX-512 CPU without it stays in place
+    up to sixteen (docs/performance.md); an AVX2 one keeps eight (not measured past it on long
+    contexts)."""
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"})) == 16
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})) == 8
+    assert in_place_max_queries(frozenset({"avx2", "fma"})) == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

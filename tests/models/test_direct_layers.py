@@ -11,6 +11,7 @@ import torch
 
 from sonar_core import cpu_kernels
 from sonar_core.layers import direct_layers
+from sonar_core.layers.attention import IN_PLACE_MAX_QUERIES
 from sonar_core.layers.direct_layers import DirectLayer, through_modules
 from sonar_core.models.loader import load_model
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels
 
 # A prefill, then steps that mix decodes, a prompt arriving in two chunks and a sequence verifying
 # four drafted tokens at once, then plain decodes.
-PROMPTS = {"a": 5, "b": 11, "c": 2}
+PROMPTS = {"a": 5, "b": 19, "c": 2}  # "b" longer than IN_PLACE_MAX_QUERIES on every CPU
 
 
 def _steps(vocab: int) -> list[dict[str, list[int]]]:
@@ -37,10 +38,10 @@ def _steps(vocab: int) -> list[dict[str, list[int]]]:
 
 def _in_place(new: dict[str, list[int]]) -> bool:
     """Whether a step's attention runs in place (so its layers may run as one stack kernel call):
-    decodes always, up to 8 queries per sequence where the kernels verify in place (AVX-512 and
-    AVX2 builds)."""
+    decodes always, up to IN_PLACE_MAX_QUERIES queries per sequence where the kernels verify in
+    place (AVX-512 and AVX2 builds)."""
     longest = max(len(tokens) for tokens in new.values())
-    return longest == 1 or (longest <= 8 and cpu_kernels.attention_verifies_in_place())
+    return longest == 1 or (longest <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place())
 
 
 class _Counts:
@@ -104,7 +105,7 @@ def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, pa
     direct, _, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
     modules, _, module_calls = _run(model, paged_runner, steps, monkeypatch, direct=False)
     assert module_calls.layers == 0
-    # Every step runs its layers directly, the prefill's too (its 11-token prompt gathers the
+    # Every step runs its layers directly, the prefill's too (its 19-token prompt gathers the
     # context for attention inside the direct layers).
     assert direct_calls.layers == len(steps) * model.num_layers
     # Layers without per-head q/k norms run as one kernel call per step that attends in place,
@@ -138,9 +139,10 @@ def test_a_capture_splits_the_stack_and_records_the_modules_states(dtype, checkp
 
 
 def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one(checkpoints, paged_runner, monkeypatch):
-    """A 20-token prompt and a row verifying 11 drafts: direct layers, no stack kernel call."""
+    """A 20-token prompt and a row verifying more drafts than attend in place: direct layers, no
+    stack kernel call."""
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
-    steps = [{"a": list(range(20))}, {"a": list(range(20, 32))}]
+    steps = [{"a": list(range(20))}, {"a": list(range(20, 24 + IN_PLACE_MAX_QUERIES))}]
     direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
     modules, _, _ = _run(model, paged_runner, steps, monkeypatch, direct=False)
     assert (calls.single, calls.stacks) == (2 * model.num_layers, 0)
