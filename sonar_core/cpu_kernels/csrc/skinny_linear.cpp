@@ -54,6 +54,9 @@ constexpr int64_t kPrefetchTiles = 4;  // AMX weight tiles (1 KiB per block) ahe
 
 inline void prefetch(const void* address) { __builtin_prefetch(address, 0, 3); }
 
+// M(r) for each row r of a named tile (named_tile below, up to six rows).
+#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
+
 inline float bits_to_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -68,8 +71,8 @@ inline float bits_to_float(uint32_t bits) {
 // multiply-add latency, and enough weight streams in flight to keep the memory busy), and may
 // state a second one, kTallTileBlocks x kTallTileRows, for more rows than kTileRows. A path may
 // also give its own tiles with every accumulator a named variable (named_tile, up to kNamedBlocks
-// blocks, kNamedRows rows and kNamedAccumulators blocks x rows): GCC keeps an array of vector
-// accumulators partly in memory once registers run short, or reloads the weights row by row.
+// blocks by kNamedRows rows): GCC keeps an array of vector accumulators partly in memory once
+// registers run short, or reloads the weights row by row.
 // AVX-512's 32 registers hold 24 accumulators of 6 blocks x 4 rows, or 16 of 8 blocks x 2 rows
 // beside their weight rows. Measured on SmolLM2's 121 projections (2-core Xeon with AMX,
 // bfloat16, 2 threads, the two builds alternating in one process, median of 28 rounds, twice):
@@ -126,39 +129,35 @@ struct Bf16 {
   static Row row(const uint16_t* w) { return {(__m512bh)_mm512_loadu_si512(w)}; }
   static void fma(Acc& a, const Input& x, const Row& w) { a.v = _mm512_dpbf16_ps(a.v, x.pair, w.pairs); }
 
-
   // Five rows or more take tiles of 4 blocks x 6 rows (one pass over the weights up to six rows,
   // two up to twelve, where the 6 x 4 tiles need two and three), with every accumulator a named
   // variable and each block's weight row loaded once a step: from an array tile of 24
   // accumulators GCC reloaded the weight row for every row. Without AMX (AMD EPYC with AVX-512
   // BF16, 2 threads) engine steps of 6 / 8 / 12 / 16 rows took 3-8% less; named 6 x 4 tiles for
   // three or four rows measured no better than the array ones (three rows worse), so named tiles
-  // stop at four blocks. docs/performance.md ("On an AMD EPYC with AVX-512 BF16").
+  // are the tall tile and its edges. docs/performance.md ("On an AMD EPYC with AVX-512 BF16").
   static constexpr int kTallTileBlocks = 4, kTallTileRows = 6;
-  static constexpr int kNamedBlocks = 4, kNamedRows = 6, kNamedAccumulators = 24;
+  static constexpr int kNamedBlocks = kTallTileBlocks, kNamedRows = kTallTileRows;
   template <int kBlocks, int kRows>
   __attribute__((noinline)) static void named_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
                                                    int64_t block_stride, int64_t steps, float* acc_out) {
-    static_assert(kBlocks >= 1 && kRows >= 1 && kBlocks <= kNamedBlocks && kRows <= kNamedRows &&
-                  kBlocks * kRows <= kNamedAccumulators);
+    static_assert(kBlocks >= 1 && kRows >= 1 && kBlocks <= kNamedBlocks && kRows <= kNamedRows);
     constexpr int64_t row_width = kBlock * kInputs;
-#define SONAR_EACH_BLOCK(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3) M(r, 4) M(r, 5)
-#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
-#define SONAR_ZERO_ONE(r, j) __m512 a##r##j = _mm512_setzero_ps();
+#define SONAR_EACH_BLOCK(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3)
+#define SONAR_ZERO_ONE(r, j) Acc a##r##j = Acc::zero();
 #define SONAR_ZERO(r) SONAR_EACH_BLOCK(SONAR_ZERO_ONE, r)
-#define SONAR_LOAD(r, j) \
-  const __m512bh w##j = j < kBlocks ? (__m512bh)_mm512_loadu_si512(w + j * block_stride + at) : __m512bh{};
-#define SONAR_PREFETCH(r, j) if constexpr (j < kBlocks) prefetch(w + j * block_stride + ahead);
-#define SONAR_FMA_ONE(r, j) if constexpr (j < kBlocks) a##r##j = _mm512_dpbf16_ps(a##r##j, b, w##j);
-#define SONAR_FMA(r)                                                        \
-  if constexpr (r < kRows) {                                                \
-    uint32_t pair;                                                          \
-    std::memcpy(&pair, x + r * x_stride + 2 * s, sizeof(pair));             \
-    const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); \
-    SONAR_EACH_BLOCK(SONAR_FMA_ONE, r)                                      \
+#define SONAR_PREFETCH(r, j) \
+  if constexpr (j < kBlocks) prefetch(w + j * block_stride + ahead);
+#define SONAR_LOAD(r, j) const Row w##j = j < kBlocks ? row(w + j * block_stride + at) : Row{};
+#define SONAR_FMA_ONE(r, j) \
+  if constexpr (j < kBlocks) fma(a##r##j, b, w##j);
+#define SONAR_FMA(r)                                         \
+  if constexpr (r < kRows) {                                 \
+    const Input b = input(x + r * x_stride + kInputs * s);   \
+    SONAR_EACH_BLOCK(SONAR_FMA_ONE, r)                       \
   }
 #define SONAR_STORE_ONE(r, j) \
-  if constexpr (j < kBlocks) _mm512_storeu_ps(acc_out + (r * kBlocks + j) * kBlock, a##r##j);
+  if constexpr (j < kBlocks) a##r##j.store(acc_out + (r * kBlocks + j) * kBlock);
 #define SONAR_STORE(r) \
   if constexpr (r < kRows) { SONAR_EACH_BLOCK(SONAR_STORE_ONE, r) }
     SONAR_EACH_ROW(SONAR_ZERO)
@@ -173,11 +172,10 @@ struct Bf16 {
 #undef SONAR_STORE_ONE
 #undef SONAR_FMA
 #undef SONAR_FMA_ONE
-#undef SONAR_PREFETCH
 #undef SONAR_LOAD
+#undef SONAR_PREFETCH
 #undef SONAR_ZERO
 #undef SONAR_ZERO_ONE
-#undef SONAR_EACH_ROW
 #undef SONAR_EACH_BLOCK
   }
 #else
@@ -277,14 +275,13 @@ struct Bf16 {
   // inlined into tiles() GCC hoists the broadcasts and spills again. Each accumulator takes even
   // then odd, step by step, as fma() does: the same bits as the other tiles. Measured:
   // docs/performance.md ("Verification rows on AVX2").
-  static constexpr int kNamedBlocks = 1, kNamedRows = 6, kNamedAccumulators = 6;
+  static constexpr int kNamedBlocks = 1, kNamedRows = 6;
   template <int kBlocks, int kRows>
   __attribute__((noinline)) static void named_tile(const float* x, int64_t x_stride, const uint16_t* w,
                                                    int64_t /*block_stride: one block*/, int64_t steps,
                                                    float* acc_out) {
     static_assert(kBlocks == 1 && kRows >= 1 && kRows <= kNamedRows);
     const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-#define SONAR_EACH_ROW(M) M(0) M(1) M(2) M(3) M(4) M(5)
 #define SONAR_ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
 #define SONAR_FMA(r, input)                                                   \
   if constexpr (r < kRows) {                                                  \
@@ -316,7 +313,6 @@ struct Bf16 {
 #undef SONAR_EVEN
 #undef SONAR_FMA
 #undef SONAR_ZERO
-#undef SONAR_EACH_ROW
   }
 };
 
@@ -376,7 +372,7 @@ template <typename P, int kBlocks, int kRows, typename = void>
 constexpr bool kNamedTileFits = false;
 template <typename P, int kBlocks, int kRows>
 constexpr bool kNamedTileFits<P, kBlocks, kRows, std::void_t<decltype(P::kNamedRows)>> =
-    kBlocks <= P::kNamedBlocks && kRows <= P::kNamedRows && kBlocks * kRows <= P::kNamedAccumulators;
+    kBlocks <= P::kNamedBlocks && kRows <= P::kNamedRows;
 
 // The tile for more rows than P::kTileRows: P::kTallTileBlocks x P::kTallTileRows where the path
 // states one, else its kTileBlocks x kTileRows.
@@ -719,6 +715,8 @@ std::string skinny_linear_path(at::ScalarType dtype) {
 #endif
   return dtype == at::kBFloat16 || std::string(kPath) != "avx512_bf16" ? kPath : "avx512";
 }
+
+#undef SONAR_EACH_ROW
 
 }  // namespace
 
