@@ -47,15 +47,20 @@ def cpu_prepack_available(dtype: torch.dtype) -> bool:
 # The most rows for which the skinny kernel stays ahead of the library's matmul, by the code path
 # it takes (``skinny_linear_path``), measured side by side with
 # `python -m sonar_core.models.linear_benchmark` (docs/performance.md): AMX tiles led oneDNN up to
-# 512 rows, the AVX512-BF16 vector path led oneDNN without AMX up to 128, float32 on AVX-512 led MKL
-# up to 64, and float32 on AVX2 led MKL up to 80 (AMD EPYC, 2 threads, a whole prefill step of the
-# embedded model with each limit alternated in one process: 1.55x at 33 rows, 1.01-1.24x at 40-80,
-# 0.93-1.04x at 96, 0.92-1.00x at 128). The portable C++ loops are not used.
-SKINNY_ROWS = {"amx": 512, "avx512_bf16": 128, "avx512": 64, "avx2": 80, "generic": 0}
-# Paths where the kernel takes bfloat16 calls of any size, prefill included: on an AVX2 CPU the
+# 512 rows, float32 on AVX-512 led MKL up to 64, and float32 on AVX2 led MKL up to 80 (AMD EPYC, 2
+# threads, a whole prefill step of the embedded model with each limit alternated in one process:
+# 1.55x at 33 rows, 1.01-1.24x at 40-80, 0.93-1.04x at 96, 0.92-1.00x at 128). The portable C++
+# loops are not used.
+SKINNY_ROWS = {"amx": 512, "avx512": 64, "avx2": 80, "generic": 0}
+# Paths where the kernel takes bfloat16 calls of any size, prefill included. On an AVX2 CPU the
 # library converts bfloat16 in software and was 7-9x slower than the kernel from 8 to 256 rows
-# (AMD EPYC, SmolLM2's projections; at 256 rows the kernel's bfloat16 matched MKL's float32).
-WHOLE_BF16_PATHS = frozenset({"avx2"})
+# (AMD EPYC, SmolLM2's projections; at 256 rows the kernel's bfloat16 matched MKL's float32). The
+# AVX512-BF16 path runs only where AMX is not (with AMX the "amx" path takes bfloat16), and there
+# oneDNN has the same dot instruction: on an AMD EPYC with AVX-512 BF16 (2 threads, SmolLM2's 120
+# projections, ms a pass) the kernel took 63.6 / 105.3 / 245.8 / 497.8 / 1,005 at 128 / 214 / 512 /
+# 1,024 / 2,048 rows against oneDNN's packed weights' 69.8 / 106.5 / 248.5 / 502.7 / 1,008 and
+# ``F.linear``'s 85.8 / 117.7 / 263.7 / 556.6 / 1,098.
+WHOLE_BF16_PATHS = frozenset({"avx2", "avx512_bf16"})
 
 
 def skinny_rows_limit(dtype: torch.dtype) -> int:
