@@ -27,6 +27,7 @@ The cache keeps every position of a windowed layer: older keys are masked, not e
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -44,26 +45,35 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 # is faster for several queries too (AVX-512 builds share each key among a sequence's queries, AVX2
 # builds beat the gathered SDPA query by query), for verification steps of up to
 # IN_PLACE_MAX_QUERIES queries per sequence. Longer steps (prefill chunks) gather the context once
-# and let PyTorch's SDPA run its blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64),
+# and let PyTorch's SDPA run its blocked matmuls, except on AVX-512 CPUs without AMX (below). Measured on SmolLM2 (9 query / 3 KV heads of 64),
 # bfloat16, 2 threads, a whole step in place against gathered, on a Xeon with AMX (eight queries
 # is the limit there): over 256 cached tokens 4 queries
 # 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over 2,048 tokens 4 queries
 # 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone over 2,048 tokens at
 # batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
-# Without AMX the AVX-512 kernel stays ahead up to 16 queries at both lengths measured: on an AMD EPYC with AVX-512 BF16 (2 threads, limit 8
-# against 16 in one process) steps of 9 / 12 / 16 rows over 2,048 cached tokens took 55.5 / 58.4 /
-# 71.6 ms gathered and 26.9 / 33.0 / 38.3 in place in bfloat16 (float32 69.4 / 74.3 / 91.7 and
-# 43.1 / 52.1 / 59.9), over 256 tokens 20.8 / 22.2 / 26.5 and 14.5 / 16.7 / 19.4.
-# A step with a longer row splits (:meth:`AttentionMetadata.split`): rows of up to this many queries
-# attend as one batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
+# Without AMX the AVX-512 kernel stays ahead at every row length measured, so there every step
+# attends in place, prefill chunks included (no limit). On an AMD EPYC with AVX-512 BF16 (2
+# threads, limit 8 against 16 in one process) steps of 9 / 12 / 16 rows over 2,048 cached tokens
+# took 55.5 / 58.4 / 71.6 ms gathered and 26.9 / 33.0 / 38.3 in place in bfloat16 (float32 69.4 /
+# 74.3 / 91.7 and 43.1 / 52.1 / 59.9), over 256 tokens 20.8 / 22.2 / 26.5 and 14.5 / 16.7 / 19.4;
+# a whole prefill of the embedded model (limit 16 against none, alternated, median of four) took
+# 25.5 / 95.3 / 168.6 / 345.7 / 954.8 / 2,375 ms for prompts of 32 / 128 / 220 / 400 / 1,024 /
+# 2,048 tokens against 21.7 / 79.8 / 138.5 / 265.4 / 815.2 / 2,110 in place (float32 at 32 / 128
+# / 400 / 1,024 / 2,048: 49.6 / 190.6 / 557.9 / 1,533 / 3,580 against 45.5 / 181.8 / 519.0 /
+# 1,431 / 3,475).
+# A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
+# splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
+# batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
 
 
 def in_place_max_queries(flags: frozenset[str]) -> int:
-    """The most queries per sequence that attend in place on a CPU with these flags."""
-    return 16 if "avx512f" in flags and "amx_bf16" not in flags else 8
+    """The most queries per sequence that attend in place on a CPU with these flags (``sys.maxsize``:
+    every step does)."""
+    return sys.maxsize if "avx512f" in flags and "amx_bf16" not in flags else 8
 
 
 IN_PLACE_MAX_QUERIES = in_place_max_queries(cpu_flags())
+BATCHED_MAX_QUERIES = min(IN_PLACE_MAX_QUERIES, 16)
 
 
 def attends_in_place(metadata: AttentionMetadata) -> bool:
@@ -237,12 +247,12 @@ class AttentionMetadata:
         return self._host_lens
 
     def split(self) -> StepSplit:
-        """The step's rows for a step with a row of more than :data:`IN_PLACE_MAX_QUERIES`
+        """The step's rows for a step with a row of more than :data:`BATCHED_MAX_QUERIES`
         queries: the shorter rows as one batch, the longer ones one by one; built once per step."""
         if self._split is None:
             query_lens, seq_lens = self.host_lens()
             starts = list(accumulate(query_lens, initial=0))
-            short = [i for i, q in enumerate(query_lens) if q <= IN_PLACE_MAX_QUERIES]
+            short = [i for i, q in enumerate(query_lens) if q <= BATCHED_MAX_QUERIES]
             long_rows = [
                 LongRow(
                     start=starts[i],
@@ -252,7 +262,7 @@ class AttentionMetadata:
                     causal=self.causal,
                 )
                 for i, q in enumerate(query_lens)
-                if q > IN_PLACE_MAX_QUERIES
+                if q > BATCHED_MAX_QUERIES
             ]
             short_tokens = self._token_indices(short)
             self._split = StepSplit(self._subset(short, short_tokens) if short else None, short_tokens, long_rows)
@@ -402,7 +412,7 @@ class PagedAttention(nn.Module):
         if kernels is not None and q.stride(-1) == 1 and k_cache.dtype == q.dtype:
             return self.attend_in_place(kernels, q, kv_cache, metadata)
 
-        if metadata.max_query_len > IN_PLACE_MAX_QUERIES:
+        if metadata.max_query_len > BATCHED_MAX_QUERIES:
             return self._attend_split(q, kv_cache, metadata)
 
         num_seqs, max_q, max_len = metadata.num_seqs, metadata.max_query_len, metadata.max_seq_len
@@ -452,7 +462,7 @@ class PagedAttention(nn.Module):
 @dataclass
 class StepSplit:
     """A step's rows as attention takes them when one is long: ``short``, the rows of up to
-    :data:`IN_PLACE_MAX_QUERIES` queries as one batch (None if there are none), whose tokens are
+    :data:`BATCHED_MAX_QUERIES` queries as one batch (None if there are none), whose tokens are
     ``short_tokens`` of the step's flat batch, and the others."""
 
     short: AttentionMetadata | None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
+from sonar_core.layers import attention as attention_layers
 from sonar_core.layers.attention import (
     IN_PLACE_MAX_QUERIES,
     AttentionMetadata,
@@ -186,21 +187,26 @@ def test_decode_rows_match_the_gathering_path_for_any_heads_per_group(dtype, hea
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_layers_attend_in_place_for_decode_and_short_verification_steps():
+def test_layers_attend_in_place_for_decode_and_short_verification_steps(monkeypatch):
+    monkeypatch.setattr(attention_layers, "IN_PLACE_MAX_QUERIES", 8)  # the limit of CPUs with AMX or AVX2
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
-    prefill = AttentionMetadata.build([IN_PLACE_MAX_QUERIES + 1], [40], [list(range(10))], 4, torch.device("cpu"))
+    prefill = AttentionMetadata.build([9], [40], [list(range(10))], 4, torch.device("cpu"))
     assert attends_in_place(decode) and not attends_in_place(prefill)
     assert attends_in_place(verify) == bool(ops.attention_verifies_in_place())
+    monkeypatch.setattr(attention_layers, "IN_PLACE_MAX_QUERIES", sys.maxsize)  # AVX-512 without AMX
+    assert attends_in_place(prefill) == bool(ops.attention_verifies_in_place())
 
 
-def test_cpus_without_amx_attend_up_to_sixteen_queries_in_place():
+def test_cpus_without_amx_attend_every_step_in_place():
     """AMX makes the gathered path win past eight queries; an AVX-512 CPU without it stays in place
-    up to sixteen (docs/performance.md); an AVX2 one keeps eight (not measured past it on long
-    contexts)."""
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"})) == 16
+    at every row length, prompts included (docs/performance.md); an AVX2 one keeps eight (not
+    measured past it on long contexts). A step that does not attend in place batches rows of up to
+    16 queries, the longer ones alone."""
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"})) == sys.maxsize
     assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})) == 8
     assert in_place_max_queries(frozenset({"avx2", "fma"})) == 8
+    assert attention_layers.BATCHED_MAX_QUERIES == min(IN_PLACE_MAX_QUERIES, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

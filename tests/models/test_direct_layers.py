@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 
 import pytest
 import torch
 
 from sonar_core import cpu_kernels
-from sonar_core.layers import direct_layers
-from sonar_core.layers.attention import IN_PLACE_MAX_QUERIES
+from sonar_core.layers import attention, direct_layers
 from sonar_core.layers.direct_layers import DirectLayer, through_modules
 from sonar_core.models.loader import load_model
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason=f"CPU kernels
 
 # A prefill, then steps that mix decodes, a prompt arriving in two chunks and a sequence verifying
 # four drafted tokens at once, then plain decodes.
-PROMPTS = {"a": 5, "b": 19, "c": 2}  # "b" longer than IN_PLACE_MAX_QUERIES on every CPU
+PROMPTS = {"a": 5, "b": 19, "c": 2}  # "b" longer than 16 queries
 
 
 def _steps(vocab: int) -> list[dict[str, list[int]]]:
@@ -41,7 +41,7 @@ def _in_place(new: dict[str, list[int]]) -> bool:
     decodes always, up to IN_PLACE_MAX_QUERIES queries per sequence where the kernels verify in
     place (AVX-512 and AVX2 builds)."""
     longest = max(len(tokens) for tokens in new.values())
-    return longest == 1 or (longest <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place())
+    return longest == 1 or (longest <= attention.IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place())
 
 
 class _Counts:
@@ -100,6 +100,8 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool, capture_layers=(
     ],
 )
 def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch):
+    # The limit of CPUs with AMX or AVX2, so that the steps mix both kinds on every CPU.
+    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", 8)
     model = load_model(checkpoints.get(arch, num_layers=3, **extra), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
     direct, _, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
@@ -141,13 +143,31 @@ def test_a_capture_splits_the_stack_and_records_the_modules_states(dtype, checkp
 def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one(checkpoints, paged_runner, monkeypatch):
     """A 20-token prompt and a row verifying more drafts than attend in place: direct layers, no
     stack kernel call."""
+    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", 8)  # the limit of CPUs with AMX or AVX2
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
-    steps = [{"a": list(range(20))}, {"a": list(range(20, 24 + IN_PLACE_MAX_QUERIES))}]
+    steps = [{"a": list(range(20))}, {"a": list(range(20, 32))}]
     direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
     modules, _, _ = _run(model, paged_runner, steps, monkeypatch, direct=False)
     assert (calls.single, calls.stacks) == (2 * model.num_layers, 0)
     for got, expected in zip(direct, modules, strict=True):
         assert torch.equal(got["a"], expected["a"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prompts_attend_in_place_in_the_stack_kernel_where_the_cpu_has_no_limit(dtype, checkpoints, paged_runner, monkeypatch):
+    """AVX-512 CPUs without AMX attend every step in place (no query limit): the prefill and the
+    mixed steps run as one kernel call each, with the modules' bits."""
+    if not cpu_kernels.attention_verifies_in_place():
+        pytest.skip("these kernels attend only decode steps in place")
+    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", sys.maxsize)
+    model = load_model(checkpoints.get("llama", num_layers=3), dtype, "cpu").model
+    steps = _steps(model.shared_modules().vocab_size)
+    direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
+    modules, _, _ = _run(model, paged_runner, steps, monkeypatch, direct=False)
+    assert (calls.stacks, calls.single) == (len(steps), 0)
+    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
+        for seq in expected:
+            assert torch.equal(got[seq], expected[seq]), f"step {number} {seq}"
 
 
 def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner, monkeypatch):
