@@ -103,12 +103,46 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 // ---- attention over the paged cache ---------------------------------------------------------
 
+// Walks the rows of keys first, first + 1, ... of one KV head through the block table, one
+// division at the start instead of one per key.
+template <typename T>
+struct CacheRows {
+  const T* base;
+  const int64_t* table;
+  int64_t block_size, slot_stride, kv_offset, block, offset;
+  const T* row;
+
+  CacheRows(const T* base_, const int64_t* table_, int64_t block_size_, int64_t slot_stride_, int64_t kv_offset_,
+            int64_t first)
+      : base(base_), table(table_), block_size(block_size_), slot_stride(slot_stride_), kv_offset(kv_offset_),
+        block(first / block_size_), offset(first % block_size_) {
+    row = at_block();
+  }
+  const T* at_block() const { return base + (table[block] * block_size + offset) * slot_stride + kv_offset; }
+  // The current row; moves to the next key.
+  const T* next() {
+    if (row == nullptr) row = at_block();
+    const T* current = row;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+      row = nullptr;  // looked up when needed: the table may end with this block
+    } else {
+      row += slot_stride;
+    }
+    return current;
+  }
+};
+
 // ---- attention of a sequence's several queries, sharing each key among them ------------------
 // A verification step asks up to k+1 queries per sequence, each with its group's n_rep heads. The
 // row-by-row kernel below pays a dot product with a horizontal sum per key and query row; this one
 // lays up to 16 query rows of one KV group side by side in the lanes of a vector (the query
 // transposed, [head_dim][16]) and scores a key against all of them with head_dim broadcast
-// multiply-adds, eight keys at a time to hide their latency, with no horizontal sums. The softmax
+// multiply-adds, eight keys at a time to hide their latency, with no horizontal sums (bfloat16 on a
+// CPU with AVX512-BF16: the query's pairs of dimensions side by side, [head_dim / 2][16][2], each
+// scored against a key's pair by one dot instruction, half the multiply-adds, with the key read
+// from the cache as it lies). The softmax
 // runs across lanes, and the value sums take the lanes a few at a time in registers. Every lane's
 // arithmetic is its own (masked keys add exact zeros), so a row gets the same bits from any step
 // that verifies several tokens of its sequence, whatever the rest of the step holds.
@@ -131,6 +165,10 @@ inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+inline uint32_t bfloat16_bits(c10::BFloat16 x) {
+  return x.x;
+}
+
 // What one work item needs to find its queries, keys and outputs.
 struct LanesItem {
   int64_t seq;        // sequence index
@@ -139,6 +177,18 @@ struct LanesItem {
   int lanes;          // rows in this item (up to 16)
 };
 
+// acc[l], l < kPassLanes: lane l's weights (scores[i * kLanes + l]) times the 16 values the rows
+// of value_rows hold, summed over `count` rows. A lane's sum is the same whatever kPassLanes.
+template <typename T, int kPassLanes>
+__attribute__((always_inline)) inline void lane_value_sums(CacheRows<T> value_rows, int64_t count, const float* scores, __m512* acc) {
+  for (int l = 0; l < kPassLanes; ++l) acc[l] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 v = load16(value_rows.next());
+    const float* w = scores + i * kLanes;
+    for (int l = 0; l < kPassLanes; ++l) acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(w[l]), v, acc[l]);
+  }
+}
+
 template <typename T, int kVecs>
 void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride, int64_t q_head_stride, const T* k_ptr,
                   const T* v_ptr, const int64_t* tables, int64_t table_width, const int64_t* lens,
@@ -146,7 +196,13 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
                   bool causal, int64_t window, float scale, float* scores, float* qt, T* out_ptr) {
   constexpr int64_t kDim = kVecs * 16;
   constexpr int kKeys = 8;                                    // keys scored together
-  constexpr int kPvLanes = kVecs <= 2 ? 8 : 16 / kVecs;       // lanes of a value-sum pass
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  // The transposed query as bfloat16 pairs (kPairs), in the first half of qt.
+  uint32_t* const query_pairs = reinterpret_cast<uint32_t*>(qt);
   const int64_t b = item.seq, g = item.group, h0 = g * n_rep;
   const int64_t query_len = starts[b + 1] - starts[b], seq_len = lens[b];
   const int64_t* table = tables + b * table_width;
@@ -164,33 +220,61 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
       lo = std::min<int64_t>(lo, first_key[l]);
       hi = std::max<int64_t>(hi, last_key[l]);
       const T* qrow = q_ptr + (starts[b] + j) * q_token_stride + (h0 + r) * q_head_stride;
-      for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = to_f32(qrow[d]);
+      if constexpr (kPairs) {
+        for (int64_t d = 0; d < kDim; d += 2) {
+          query_pairs[d / 2 * kLanes + l] = bfloat16_bits(qrow[d]) | bfloat16_bits(qrow[d + 1]) << 16;
+        }
+      } else {
+        for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = to_f32(qrow[d]);
+      }
     } else {  // an empty lane: no key is ever its own
       first_key[l] = 1;
       last_key[l] = 0;
-      for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = 0.f;
+      if constexpr (kPairs) {
+        for (int64_t d = 0; d < kDim; d += 2) query_pairs[d / 2 * kLanes + l] = 0;
+      } else {
+        for (int64_t d = 0; d < kDim; ++d) qt[d * kLanes + l] = 0.f;
+      }
     }
   }
   const __m512i first_v = _mm512_load_si512(first_key), last_v = _mm512_load_si512(last_key);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  auto key_row = [&](const T* base, int64_t p) {
-    return base + (table[p / block_size] * block_size + p % block_size) * kv_slot_stride + kv_offset;
-  };
+  CacheRows<T> key_rows(k_ptr, table, block_size, kv_slot_stride, kv_offset, lo);
 
   // Scores of keys lo..hi against every lane.
   alignas(64) float keys[kKeys][kDim] = {};
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - p0 + 1));
-    for (int j = 0; j < n; ++j) {
-      const T* krow = key_row(k_ptr, p0 + j);
-      for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(keys[j] + d, load16(krow + d));
-    }
     __m512 acc[kKeys];
     for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < kDim; ++d) {
-      const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
-      for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j][d]), qd, acc[j]);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      // The keys' rows copied side by side first (all their cache lines asked for at once), then
+      // broadcast a pair at a time from there.
+      alignas(64) uint32_t pairs[kKeys][kDim / 2];
+      for (int j = 0; j < n; ++j) {
+        const T* krow = key_rows.next();
+        for (int64_t d = 0; d < kDim; d += 32) _mm512_store_si512(pairs[j] + d / 2, _mm512_loadu_si512(krow + d));
+      }
+      for (int j = n; j < kKeys; ++j) std::memset(pairs[j], 0, sizeof(pairs[j]));  // scores unused
+      for (int64_t d = 0; d < kDim / 2; ++d) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(query_pairs + d * kLanes);
+        for (int j = 0; j < kKeys; ++j) {
+          acc[j] = _mm512_dpbf16_ps(acc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j][d])));
+        }
+      }
+    }
+#endif
+    if constexpr (!kPairs) {
+      for (int j = 0; j < n; ++j) {
+        const T* krow = key_rows.next();
+        for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(keys[j] + d, load16(krow + d));
+      }
+      for (int64_t d = 0; d < kDim; ++d) {
+        const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
+        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j][d]), qd, acc[j]);
+      }
     }
     for (int j = 0; j < n; ++j) {
       const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(p0 + j));
@@ -214,28 +298,25 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
   }
   _mm512_store_ps(total, total_v);
 
-  // Weighted sums of the values, kPvLanes lanes per pass with their sums in registers.
-  for (int c0 = 0; c0 < item.lanes; c0 += kPvLanes) {
-    __m512 acc[kPvLanes][kVecs];
-    for (int l = 0; l < kPvLanes; ++l)
-      for (int c = 0; c < kVecs; ++c) acc[l][c] = _mm512_setzero_ps();
-    for (int64_t p = lo; p <= hi; ++p) {
-      const T* vrow = key_row(v_ptr, p);
-      __m512 v[kVecs];
-      for (int c = 0; c < kVecs; ++c) v[c] = load16(vrow + c * 16);
-      const float* w = scores + (p - lo) * kLanes + c0;
-      for (int l = 0; l < kPvLanes; ++l) {
-        const __m512 wl = _mm512_set1_ps(w[l]);
-        for (int c = 0; c < kVecs; ++c) acc[l][c] = _mm512_fmadd_ps(wl, v[c], acc[l][c]);
-      }
+  // Weighted sums of the values, a vector of dimensions per pass for all the item's lanes, their
+  // sums in registers and each weight broadcast into its multiply-add (one conversion of a value
+  // vector serves up to sixteen multiply-adds).
+  for (int c = 0; c < kVecs; ++c) {
+    __m512 acc[kLanes];
+    CacheRows<T> value_rows(v_ptr, table, block_size, kv_slot_stride, kv_offset + c * 16, lo);
+    if (item.lanes <= 4) {
+      lane_value_sums<T, 4>(value_rows, count, scores, acc);
+    } else if (item.lanes <= 8) {
+      lane_value_sums<T, 8>(value_rows, count, scores, acc);
+    } else {
+      lane_value_sums<T, kLanes>(value_rows, count, scores, acc);
     }
-    for (int l = 0; l < kPvLanes && c0 + l < item.lanes; ++l) {
-      const int64_t row = item.first_row + c0 + l, j = row / n_rep, r = row % n_rep;
-      T* orow = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim;
-      const __m512 inv = _mm512_set1_ps(1.f / total[c0 + l]);
-      alignas(64) float values[kDim];
-      for (int c = 0; c < kVecs; ++c) _mm512_store_ps(values + c * 16, _mm512_mul_ps(acc[l][c], inv));
-      for (int64_t d = 0; d < kDim; ++d) orow[d] = from_f32<T>(values[d]);
+    for (int l = 0; l < item.lanes; ++l) {
+      const int64_t row = item.first_row + l, j = row / n_rep, r = row % n_rep;
+      T* orow = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim + c * 16;
+      alignas(64) float values[16];
+      _mm512_store_ps(values, _mm512_mul_ps(acc[l], _mm512_set1_ps(1.f / total[l])));
+      for (int d = 0; d < 16; ++d) orow[d] = from_f32<T>(values[d]);
     }
   }
 }
@@ -334,37 +415,6 @@ struct Wide {
   }
 };
 #endif
-
-// Walks the rows of keys first, first + 1, ... of one KV head through the block table, one
-// division at the start instead of one per key.
-template <typename T>
-struct CacheRows {
-  const T* base;
-  const int64_t* table;
-  int64_t block_size, slot_stride, kv_offset, block, offset;
-  const T* row;
-
-  CacheRows(const T* base_, const int64_t* table_, int64_t block_size_, int64_t slot_stride_, int64_t kv_offset_,
-            int64_t first)
-      : base(base_), table(table_), block_size(block_size_), slot_stride(slot_stride_), kv_offset(kv_offset_),
-        block(first / block_size_), offset(first % block_size_) {
-    row = at_block();
-  }
-  const T* at_block() const { return base + (table[block] * block_size + offset) * slot_stride + kv_offset; }
-  // The current row; moves to the next key.
-  const T* next() {
-    if (row == nullptr) row = at_block();
-    const T* current = row;
-    if (++offset == block_size) {
-      offset = 0;
-      ++block;
-      row = nullptr;  // looked up when needed: the table may end with this block
-    } else {
-      row += slot_stride;
-    }
-    return current;
-  }
-};
 
 // What a decode item needs: its query rows, its keys and where its output goes.
 template <typename T>
