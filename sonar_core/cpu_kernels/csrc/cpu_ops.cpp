@@ -304,6 +304,14 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
   // Weighted sums of the values, a vector of dimensions per pass for all the item's lanes, their
   // sums in registers and each weight broadcast into its multiply-add (one conversion of a value
   // vector serves up to sixteen multiply-adds).
+  // Each lane's output row and the inverse of its softmax total, once for all the passes.
+  T* out_rows[kLanes];
+  alignas(64) float inverse[kLanes];
+  for (int l = 0; l < item.lanes; ++l) {
+    const int64_t row = item.first_row + l, j = row / n_rep, r = row % n_rep;
+    out_rows[l] = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim;
+    inverse[l] = 1.f / total[l];
+  }
   for (int c = 0; c < kVecs; ++c) {
     __m512 acc[kLanes];
     CacheRows<T> value_rows(v_ptr, table, block_size, kv_slot_stride, kv_offset + c * 16, lo);
@@ -315,11 +323,9 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
       lane_value_sums<T, kLanes>(value_rows, count, scores, acc);
     }
     for (int l = 0; l < item.lanes; ++l) {
-      const int64_t row = item.first_row + l, j = row / n_rep, r = row % n_rep;
-      T* orow = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim + c * 16;
       alignas(64) float values[16];
-      _mm512_store_ps(values, _mm512_mul_ps(acc[l], _mm512_set1_ps(1.f / total[l])));
-      for (int d = 0; d < 16; ++d) orow[d] = from_f32<T>(values[d]);
+      _mm512_store_ps(values, _mm512_mul_ps(acc[l], _mm512_set1_ps(inverse[l])));
+      for (int d = 0; d < 16; ++d) out_rows[l][c * 16 + d] = from_f32<T>(values[d]);
     }
   }
 }
