@@ -105,6 +105,14 @@ def attention_verifies_in_place() -> bool:
     return ops is not None and bool(ops.attention_verifies_in_place())
 
 
+@functools.cache
+def attention_shares_keys() -> bool:
+    """Whether the loaded kernels' attention scores each key once for all of a sequence's queries
+    (AVX-512 builds) rather than query by query (AVX2 builds): what makes long rows cheap in place."""
+    ops = load()
+    return ops is not None and bool(ops.attention_shares_keys())
+
+
 def problem() -> str | None:
     """Why the kernels are not in use (None when they are, or were never asked for)."""
     return _State.problem

@@ -27,6 +27,7 @@ The cache keeps every position of a windowed layer: older keys are masked, not e
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -43,44 +44,45 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 
 # Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where that
 # is faster for several queries too (AVX-512 builds share each key among a sequence's queries, AVX2
-# builds beat the gathered SDPA query by query), for verification steps of up to
-# IN_PLACE_MAX_QUERIES queries per sequence. Longer steps (prefill chunks) gather the context once
-# and let PyTorch's SDPA run its blocked matmuls, except on AVX-512 CPUs without AMX (below). Measured on SmolLM2 (9 query / 3 KV heads of 64),
-# bfloat16, 2 threads, a whole step in place against gathered, on a Xeon with AMX (eight queries
-# is the limit there): over 256 cached tokens 4 queries
-# 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over 2,048 tokens 4 queries
-# 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone over 2,048 tokens at
-# batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
-# Without AMX the AVX-512 kernel stays ahead at every row length measured, so there every step
-# attends in place, prefill chunks included (no limit). On an AMD EPYC with AVX-512 BF16 (2
-# threads, limit 8 against 16 in one process) steps of 9 / 12 / 16 rows over 2,048 cached tokens
-# took 55.5 / 58.4 / 71.6 ms gathered and 26.9 / 33.0 / 38.3 in place in bfloat16 (float32 69.4 /
-# 74.3 / 91.7 and 43.1 / 52.1 / 59.9), over 256 tokens 20.8 / 22.2 / 26.5 and 14.5 / 16.7 / 19.4;
-# a whole prefill of the embedded model (limit 16 against none, alternated, median of four) took
-# 25.5 / 95.3 / 168.6 / 345.7 / 954.8 / 2,375 ms for prompts of 32 / 128 / 220 / 400 / 1,024 /
-# 2,048 tokens against 21.7 / 79.8 / 138.5 / 265.4 / 815.2 / 2,110 in place (float32 at 32 / 128
-# / 400 / 1,024 / 2,048: 49.6 / 190.6 / 557.9 / 1,533 / 3,580 against 45.5 / 181.8 / 519.0 /
-# 1,431 / 3,475).
+# builds beat the gathered SDPA query by query), for steps of up to :func:`in_place_limit` queries
+# per sequence. Longer rows (prefill chunks) gather their context and let PyTorch's SDPA run its
+# blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64), bfloat16, 2 threads, a whole
+# step in place against gathered, on a Xeon with AMX (eight queries is the limit there): over 256
+# cached tokens 4 queries 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over
+# 2,048 tokens 4 queries 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone
+# over 2,048 tokens at batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
+# Where the gathered path has no AMX tiles, kernels that share keys stay ahead at every row length
+# measured, so there every step attends in place, prompts included. On an AMD EPYC with AVX-512
+# BF16 (2 threads): steps of 9 / 12 / 16 rows over 2,048 cached tokens 55.5 / 58.4 / 71.6 ms
+# gathered against 26.9 / 33.0 / 38.3 in place (bfloat16); whole prefills 11-23% faster in place
+# at 32-2,048 tokens (float32 3-9%), 1.58x at 8,000 (docs/performance.md, "First tokens on
+# Sonar's kernels"). AVX2 builds keep eight: their query-by-query path was not measured past it.
 # A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
 # splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
 # batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
+BATCHED_MAX_QUERIES = 8
 
 
-def in_place_max_queries(flags: frozenset[str]) -> int:
-    """The most queries per sequence that attend in place on a CPU with these flags (``sys.maxsize``:
-    every step does)."""
-    return sys.maxsize if "avx512f" in flags and "amx_bf16" not in flags else 8
+def in_place_max_queries(flags: frozenset[str], shares_keys: bool) -> int:
+    """The most queries per sequence that attend in place on a CPU with these flags, for kernels
+    that verify in place; ``shares_keys``: they score each key once for all of a sequence's queries
+    (AVX-512 builds). ``sys.maxsize``: every step does."""
+    return sys.maxsize if shares_keys and "amx_bf16" not in flags else 8
 
 
-IN_PLACE_MAX_QUERIES = in_place_max_queries(cpu_flags())
-BATCHED_MAX_QUERIES = min(IN_PLACE_MAX_QUERIES, 16)
+@functools.cache
+def in_place_limit() -> int:
+    """The most queries per sequence that attend in place in this process: the rule above for the
+    loaded kernels' build on this CPU (a build for another instruction set, ``SONAR_CPU_KERNELS_ARCH``,
+    gets its own path's limit), 1 where the kernels attend only decode steps in place."""
+    if not cpu_kernels.attention_verifies_in_place():
+        return 1
+    return in_place_max_queries(cpu_flags(), cpu_kernels.attention_shares_keys())
 
 
 def attends_in_place(metadata: AttentionMetadata) -> bool:
     """Whether a step's attention runs on the in-place kernel (see above)."""
-    if metadata.max_query_len == 1:
-        return True
-    return metadata.max_query_len <= IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place()
+    return metadata.max_query_len <= in_place_limit()
 
 
 @dataclass

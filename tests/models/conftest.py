@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sonar_core import cpu_kernels
 from sonar_core.kv import RecurrentStateCache, StateBatch, allocate_kv_cache
+from sonar_core.layers import attention
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.base import CausalLM
 from sonar_core.models.hidden_capture import HiddenStateCapture
@@ -146,6 +148,19 @@ class PagedRunner:
 @pytest.fixture
 def paged_runner() -> type[PagedRunner]:
     return PagedRunner
+
+
+@pytest.fixture
+def pin_in_place_limit(monkeypatch: pytest.MonkeyPatch):
+    """``pin(n)``: steps of up to ``n`` queries per sequence attend in place for the rest of the
+    test where the loaded kernels verify in place (8: CPUs with AMX and AVX2 builds;
+    ``sys.maxsize``: AVX-512 builds without AMX), decode steps only where they do not."""
+
+    def pin(limit: int) -> None:
+        verifies = cpu_kernels.attention_verifies_in_place()
+        monkeypatch.setattr(attention, "in_place_limit", lambda: limit if verifies else 1)
+
+    return pin
 
 
 def hf_model(path: Path) -> torch.nn.Module:

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from sonar_core import cpu_kernels
+from sonar_core.cpu_features import cpu_flags
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers import attention as attention_layers
 from sonar_core.layers.attention import (
-    IN_PLACE_MAX_QUERIES,
     AttentionMetadata,
     PagedAttention,
     attends_in_place,
@@ -187,26 +187,28 @@ def test_decode_rows_match_the_gathering_path_for_any_heads_per_group(dtype, hea
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_layers_attend_in_place_for_decode_and_short_verification_steps(monkeypatch):
-    monkeypatch.setattr(attention_layers, "IN_PLACE_MAX_QUERIES", 8)  # the limit of CPUs with AMX or AVX2
+def test_layers_attend_in_place_for_decode_and_short_verification_steps(pin_in_place_limit):
+    pin_in_place_limit(8)  # the limit of CPUs with AMX and of AVX2 builds
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
     prefill = AttentionMetadata.build([9], [40], [list(range(10))], 4, torch.device("cpu"))
     assert attends_in_place(decode) and not attends_in_place(prefill)
     assert attends_in_place(verify) == bool(ops.attention_verifies_in_place())
-    monkeypatch.setattr(attention_layers, "IN_PLACE_MAX_QUERIES", sys.maxsize)  # AVX-512 without AMX
+    pin_in_place_limit(sys.maxsize)  # AVX-512 builds without AMX
     assert attends_in_place(prefill) == bool(ops.attention_verifies_in_place())
 
 
 def test_cpus_without_amx_attend_every_step_in_place():
-    """AMX makes the gathered path win past eight queries; an AVX-512 CPU without it stays in place
-    at every row length, prompts included (docs/performance.md); an AVX2 one keeps eight (not
-    measured past it on long contexts). A step that does not attend in place batches rows of up to
-    16 queries, the longer ones alone."""
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"})) == sys.maxsize
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})) == 8
-    assert in_place_max_queries(frozenset({"avx2", "fma"})) == 8
-    assert attention_layers.BATCHED_MAX_QUERIES == min(IN_PLACE_MAX_QUERIES, 16)
+    """AMX makes the gathered path win past eight queries; kernels that share keys (AVX-512 builds)
+    on a CPU without it stay in place at every row length, prompts included (docs/performance.md);
+    AVX2 builds keep eight (not measured past it on long contexts), also when built for AVX2 on an
+    AVX-512 CPU. This process's limit follows the loaded build."""
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"}), shares_keys=True) == sys.maxsize
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}), shares_keys=True) == 8
+    assert in_place_max_queries(frozenset({"avx2", "fma"}), shares_keys=False) == 8
+    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"}), shares_keys=False) == 8
+    own = in_place_max_queries(cpu_flags(), cpu_kernels.attention_shares_keys())
+    assert attention_layers.in_place_limit() == (own if cpu_kernels.attention_verifies_in_place() else 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

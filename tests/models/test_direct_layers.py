@@ -38,10 +38,9 @@ def _steps(vocab: int) -> list[dict[str, list[int]]]:
 
 def _in_place(new: dict[str, list[int]]) -> bool:
     """Whether a step's attention runs in place (so its layers may run as one stack kernel call):
-    decodes always, up to IN_PLACE_MAX_QUERIES queries per sequence where the kernels verify in
-    place (AVX-512 and AVX2 builds)."""
-    longest = max(len(tokens) for tokens in new.values())
-    return longest == 1 or (longest <= attention.IN_PLACE_MAX_QUERIES and cpu_kernels.attention_verifies_in_place())
+    decodes always, up to ``attention.in_place_limit()`` queries per sequence (AVX-512 and AVX2
+    builds verify in place)."""
+    return max(len(tokens) for tokens in new.values()) <= attention.in_place_limit()
 
 
 class _Counts:
@@ -99,9 +98,9 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool, capture_layers=(
         pytest.param("qwen3", {"head_dim": 32}, id="qwen3"),
     ],
 )
-def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch):
-    # The limit of CPUs with AMX or AVX2, so that the steps mix both kinds on every CPU.
-    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", 8)
+def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch, pin_in_place_limit):
+    # The limit of CPUs with AMX and of AVX2 builds, so that the steps mix both kinds on every CPU.
+    pin_in_place_limit(8)
     model = load_model(checkpoints.get(arch, num_layers=3, **extra), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
     direct, _, direct_calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
@@ -140,10 +139,12 @@ def test_a_capture_splits_the_stack_and_records_the_modules_states(dtype, checkp
         assert all(torch.equal(got[seq], expected[seq]) for seq in expected)
 
 
-def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one(checkpoints, paged_runner, monkeypatch):
+def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one(
+    checkpoints, paged_runner, monkeypatch, pin_in_place_limit
+):
     """A 20-token prompt and a row verifying more drafts than attend in place: direct layers, no
     stack kernel call."""
-    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", 8)  # the limit of CPUs with AMX or AVX2
+    pin_in_place_limit(8)  # the limit of CPUs with AMX and of AVX2 builds
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
     steps = [{"a": list(range(20))}, {"a": list(range(20, 32))}]
     direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
@@ -154,12 +155,14 @@ def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_prompts_attend_in_place_in_the_stack_kernel_where_the_cpu_has_no_limit(dtype, checkpoints, paged_runner, monkeypatch):
+def test_prompts_attend_in_place_in_the_stack_kernel_where_the_cpu_has_no_limit(
+    dtype, checkpoints, paged_runner, monkeypatch, pin_in_place_limit
+):
     """AVX-512 CPUs without AMX attend every step in place (no query limit): the prefill and the
     mixed steps run as one kernel call each, with the modules' bits."""
     if not cpu_kernels.attention_verifies_in_place():
         pytest.skip("these kernels attend only decode steps in place")
-    monkeypatch.setattr(attention, "IN_PLACE_MAX_QUERIES", sys.maxsize)
+    pin_in_place_limit(sys.maxsize)
     model = load_model(checkpoints.get("llama", num_layers=3), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
     direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)

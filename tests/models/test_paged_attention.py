@@ -10,7 +10,6 @@ import torch
 
 from sonar_core import cpu_kernels
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
-from sonar_core.layers import attention
 from sonar_core.layers.attention import AttentionMetadata, PagedAttention
 from sonar_core.layers.rotary import RopeConfig
 from sonar_core.spec_decode.draft_attention import DraftChain
@@ -103,8 +102,8 @@ SHAPES = [
     pytest.param([9], [6], id="prefill-second-chunk"),
     pytest.param([0, 13, 5, 20], [7, 1, 4, 1], id="mixed"),
     pytest.param([4, 4], [3, 3], id="uniform-queries"),
-    # Rows longer than BATCHED_MAX_QUERIES (8 or 16 by CPU) split a step that does not attend in
-    # place: short rows batched, long ones alone. AVX-512 CPUs without AMX attend them in place.
+    # Rows longer than BATCHED_MAX_QUERIES (8) split a step that does not attend in place: short
+    # rows batched, long ones alone. AVX-512 builds on CPUs without AMX attend them in place.
     pytest.param([13, 0, 30, 6, 2], [1, 20, 18, 3, 1], id="split-decodes-prompt-chunk"),
     pytest.param([0, 5], [24, 17], id="split-long-only"),
     pytest.param([37, 1], [70, 1], id="long-chunk-after-context"),
@@ -192,10 +191,9 @@ def test_metadata_masks_only_when_needed():
     assert AttentionMetadata.build([3], [5], [[0, 1]], BLOCK, cpu, causal=False).attn_mask is None
 
 
-def test_long_rows_attend_alone_and_short_rows_together(monkeypatch):
+def test_long_rows_attend_alone_and_short_rows_together():
     """A prompt joining decodes must not pad them to its length: the split keeps the decodes one
     batch, and a fresh prompt needs no mask (SDPA's causal flag), a chunk after context does."""
-    monkeypatch.setattr(attention, "BATCHED_MAX_QUERIES", 8)  # the limit on CPUs with AMX or AVX2
     cpu = torch.device("cpu")
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]
     metadata = AttentionMetadata.build([1, 12, 10, 2], [9, 12, 20, 7], tables, BLOCK, cpu)

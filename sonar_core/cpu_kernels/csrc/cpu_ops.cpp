@@ -1129,10 +1129,21 @@ bool attention_verifies_in_place() {
 #endif
 }
 
+// Whether this build scores each key once for all of a sequence's queries (attend_lanes, AVX-512
+// builds) rather than query by query: only then do prompts gain from attending in place.
+bool attention_shares_keys() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sonar, m) {
   m.def("attention_verifies_in_place() -> bool", &attention_verifies_in_place);
+  m.def("attention_shares_keys() -> bool", &attention_shares_keys);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, bool causal, int window) -> Tensor");
   m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
