@@ -118,6 +118,12 @@ class Linear(nn.Linear):
             return None
         return skinny
 
+    def packs_current(self, skinny: torch.Tensor) -> bool:
+        """Whether ``skinny`` (an earlier :meth:`skinny_for` answer) is still this layer's packed
+        copy of its current weight: nothing repacked it and the weight did not change since. For
+        callers that keep the answer across calls instead of asking again."""
+        return self.skinny_weight is skinny and self.packed_from == _identity(self._parameters["weight"])
+
     def pack(self) -> bool:
         """Make the packed copy this machine can use of a CPU weight: the skinny kernel's
         (:func:`pack_skinny`) where it takes the weight, else oneDNN's for bf16/fp16; whether one

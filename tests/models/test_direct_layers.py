@@ -194,3 +194,48 @@ def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner
     gated = model.model.layers[0]
     gated.self_attn.output_gate = True
     assert DirectLayer.of(gated) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kept_kernel_arguments_follow_weights_and_caches(dtype, checkpoints, paged_runner, monkeypatch):
+    """Each layer's kernel arguments are read once and kept while what they were read from holds.
+    A weight changed in place, a norm weight replaced and new caches are each taken up by the next
+    step, which gives the modules' bits; unchanged layers are not read again."""
+    steps = [{"a": [1, 2, 3]}, {"a": [4]}, {"a": [5]}, {"a": [6]}, {"a": [7]}]
+
+    def change(model, number: int) -> None:
+        layer = model.model.layers[1]
+        with torch.no_grad():
+            if number == 2:
+                layer.mlp.down_proj.weight.mul_(2)
+            if number == 3:
+                norm = layer.post_attention_layernorm
+                norm.weight = torch.nn.Parameter(norm.weight * 0.5, requires_grad=False)
+
+    def run(direct: bool):
+        model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
+        reads: list[int] = []
+        with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
+            packed_weights = DirectLayer.packed_weights
+
+            def counted(self, *args):
+                reads[-1] += 1
+                return packed_weights(self, *args)
+
+            patch.setattr(DirectLayer, "packed_weights", counted)
+            if not direct:
+                stack.enter_context(through_modules())
+            logits = []
+            for runner in (paged_runner(model, block_size=4), paged_runner(model, block_size=4)):
+                for number, new in enumerate(steps):
+                    change(model, number)
+                    reads.append(0)
+                    logits.append(runner.step(new)[0]["a"])
+        return logits, reads
+
+    direct, reads = run(direct=True)
+    modules, _ = run(direct=False)
+    # First step: both layers; a changed layer once more; the second runner's new caches: both again.
+    assert reads == [2, 0, 1, 1, 0] + [2, 0, 1, 1, 0]
+    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
+        assert torch.equal(got, expected), f"step {number}"
