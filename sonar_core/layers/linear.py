@@ -111,7 +111,7 @@ class Linear(nn.Linear):
         packed again first. For a packed layer outside autograd (:meth:`multiply` checks that)."""
         if self.packed_from is None:
             return None
-        if self.packed_from != _identity(self.weight):
+        if not self._weight_unchanged():
             self.pack()
         skinny = self.skinny_weight
         if skinny is None or skinny.dtype != dtype or rows > self.skinny_rows:
@@ -122,7 +122,12 @@ class Linear(nn.Linear):
         """Whether ``skinny`` (an earlier :meth:`skinny_for` answer) is still this layer's packed
         copy of its current weight: nothing repacked it and the weight did not change since. For
         callers that keep the answer across calls instead of asking again."""
-        return self.skinny_weight is skinny and self.packed_from == _identity(self._parameters["weight"])
+        return self.skinny_weight is skinny and self._weight_unchanged()
+
+    def _weight_unchanged(self) -> bool:
+        """Whether the weight is the one the packed copies were made from (``_parameters``: the
+        attribute lookup of ``nn.Module`` costs more than the check on the decode path)."""
+        return self.packed_from == _identity(self._parameters["weight"])
 
     def pack(self) -> bool:
         """Make the packed copy this machine can use of a CPU weight: the skinny kernel's

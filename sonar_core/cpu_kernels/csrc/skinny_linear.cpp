@@ -112,16 +112,17 @@ struct F32 {
 struct Bf16 {
   using Weight = uint16_t;
   static constexpr int64_t kInputs = 2;
+  // Blocks of the one- and two-row tiles. 6 on AVX-512 BF16 without AMX: on an AMD EPYC (2
+  // threads, SmolLM2's 120 projections, builds alternating by process) one row took 4.7-4.9 ms
+  // against 5.3-5.5 with 8 blocks and 4.9-5.1 with 4, two rows 5.0-5.1 against 5.8-5.9 and 5.5-5.6
+  // (the same in a slow hour, when every build took 6.1-6.7). CPUs with AMX keep the 8 blocks
+  // measured there (above).
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
-  // One and two rows in tiles of 6 blocks, not 8: on an AMD EPYC with AVX-512 BF16 (2 threads,
-  // SmolLM2's 120 projections, builds alternating by process) one row took 4.7-4.9 ms against
-  // 5.3-5.5 with 8 blocks and 4.9-5.1 with 4, two rows 5.0-5.1 against 5.8-5.9 and 5.5-5.6 (the
-  // same in a slow hour, when every build took 6.1-6.7). CPUs with AMX keep the 8 blocks measured
-  // there (above).
-  static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 6, kSingleRowBlocks = 6;
+  static constexpr int kFewRowBlocks = 6;
 #else
-  static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = 8, kSingleRowBlocks = 8;
+  static constexpr int kFewRowBlocks = 8;
 #endif
+  static constexpr int kTileBlocks = 6, kTileRows = 4, kPairRowBlocks = kFewRowBlocks, kSingleRowBlocks = kFewRowBlocks;
 #if defined(__AVX512BF16__)
   using X = uint16_t;
   struct Input {
