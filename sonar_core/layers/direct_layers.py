@@ -12,15 +12,16 @@ weight not packed for them) runs its module instead.
 
 Consecutive direct layers without per-head q/k norms run as one call of the ``decoder_layers``
 kernel (``csrc/decoder_layers.cpp``), the same kernel calls looped in C++, in steps that attend
-in place; a run ends where a hidden-state capture records a layer's output. Steps with longer
-rows (prefill chunks, verification of more drafts) run the direct layers one by one.
+in place; the kernel copies the states a hidden-state capture records into its buffer, so a
+capture does not split the run. Steps with longer rows (prefill chunks, verification of more
+drafts) run the direct layers one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from sonar_core.layers.attention import AttentionMetadata, PagedAttention, atten
 from sonar_core.layers.decoder import DecoderLayer
 from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
+from sonar_core.models.hidden_capture import HiddenStateCapture
 
 
 @dataclass(frozen=True)
@@ -223,10 +225,13 @@ def run_stack(
     signed_sin: torch.Tensor,
     metadata: AttentionMetadata,
     attention_input: torch.Tensor | None = None,
+    capture: HiddenStateCapture | None = None,
+    captured: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """Consecutive stackable layers (their :meth:`DirectLayer.stack_entries`) in one kernel call;
     with ``attention_input``, the first layer's attention reads it in place of its input norm of
-    ``hidden``."""
+    ``hidden``. ``captured``: ``(k, state)`` pairs, the state after ``k`` layers of the run being
+    ``capture``'s state ``state``."""
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     caches: list[torch.Tensor] = []
@@ -238,9 +243,16 @@ def run_stack(
         caches += layer_caches
         ints += layer_ints
         floats += layer_floats
+    if not captured:
+        return ops.decoder_layers(
+            hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input,
+        )
+    assert capture is not None
     return ops.decoder_layers(
         hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input,
+        metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input, capture.buffer,
+        [after for after, _ in captured], [capture.columns(state).start for _, state in captured],
     )
 
 
@@ -275,40 +287,42 @@ def run_layers(
     signed_sin: torch.Tensor,
     kv_caches: Sequence[KVCache],
     metadata: AttentionMetadata,
-    record: Callable[[int, torch.Tensor], None] | None,
-    recorded: Collection[int] = (),
+    capture: HiddenStateCapture | None = None,
 ) -> torch.Tensor:
     """Run ``layers`` in turn (``direct[i]``: layer i's direct form, or None), each directly where
     the kernels take it and through its module otherwise, consecutive stackable ones in one kernel
-    call; ``cos``/``signed_sin`` are the step's ``[T, 1, rotary_dim]`` tables. ``record(k, state)``
-    gets the state after ``k`` layers for every ``k`` in ``recorded`` (a hidden-state capture's)."""
+    call; ``cos``/``signed_sin`` are the step's ``[T, 1, rotary_dim]`` tables. ``capture`` gets
+    the states after the layers it asks for."""
     ops = _kernels_for(hidden)
     if ops is not None:
         flat_cos, flat_sin = _flat_tables(cos, signed_sin)
     # The stack kernel attends in place; a step with longer rows runs its layers one by one.
     stacks = attends_in_place(metadata)
     stack: list[StackEntries] = []
+    captured: list[tuple[int, int]] = []  # the run's states to record: (layers into the run, state)
     for index, layer in enumerate(layers):
         plan = direct[index]
         args = None
         if ops is not None and plan is not None and plan.module is layer:
             args = plan.kernel_args(hidden, kv_caches[index])
+        wanted = capture is not None and capture.wants(index + 1)
         if args is not None and plan is not None and plan.stackable and stacks:
             stack.append(args.entries)
-            if index + 1 < len(layers) and index + 1 not in recorded:
+            if wanted:
+                captured.append((len(stack), index + 1))
+            if index + 1 < len(layers):
                 continue  # the run goes on
-            hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata)
-            stack = []
+            hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata, None, capture, captured)
+            continue
+        if stack:
+            hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata, None, capture, captured)
+            stack, captured = [], []
+        if args is not None and plan is not None:
+            hidden = plan.forward(ops, args.packed, hidden, flat_cos, flat_sin, kv_caches[index], metadata)
         else:
-            if stack:
-                hidden = run_stack(ops, stack, hidden, flat_cos, flat_sin, metadata)
-                stack = []
-            if args is not None and plan is not None:
-                hidden = plan.forward(ops, args.packed, hidden, flat_cos, flat_sin, kv_caches[index], metadata)
-            else:
-                hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
-        if record is not None and index + 1 in recorded:
-            record(index + 1, hidden)
+            hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
+        if capture is not None and wanted:
+            capture.record(index + 1, hidden)
     return hidden
 
 

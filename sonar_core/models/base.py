@@ -176,10 +176,7 @@ class LayerStackLM(CausalLM):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if capture is not None:
             capture.record(0, hidden)
-        record, recorded = (capture.record, capture.layers) if capture is not None else (None, ())
-        hidden = run_layers(
-            self.model.layers, self._direct_layers(), hidden, cos, sin, kv_caches, attn_metadata, record, recorded
-        )
+        hidden = run_layers(self.model.layers, self._direct_layers(), hidden, cos, sin, kv_caches, attn_metadata, capture)
         return self.model.norm(hidden)
 
     def _direct_layers(self) -> list[DirectLayer | None]:

@@ -20,6 +20,9 @@
 // With attention_input, the first layer's attention reads it instead of the input norm of hidden
 // (whose weight is then not read): EAGLE-3's first draft layer attends over its embedding and the
 // target's state side by side while its residual stream is the state alone.
+// With capture, the state after capture_after[i] layers of the run is copied into the columns
+// capture_columns[i] onwards of capture's first T rows (a hidden-state capture's buffer), so a
+// capture does not split the run into one call per recorded layer.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -73,7 +76,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
                           at::TensorList caches, at::IntArrayRef ints, at::ArrayRef<double> floats,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& slot_mapping, bool causal,
-                          const std::optional<at::Tensor>& attention_input) {
+                          const std::optional<at::Tensor>& attention_input, const std::optional<at::Tensor>& capture,
+                          at::IntArrayRef capture_after, at::IntArrayRef capture_columns) {
   const auto layers = static_cast<int64_t>(weights.size()) / kWeights;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(weights.size()) == layers * kWeights &&
                   static_cast<int64_t>(biases.size()) == layers * kBiases &&
@@ -82,6 +86,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
                   static_cast<int64_t>(floats.size()) == layers * kFloats,
               "decoder_layers: every list must hold the same number of layers");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.is_contiguous(), "decoder_layers: hidden must be contiguous [T, H]");
+  TORCH_CHECK(capture_after.size() == capture_columns.size() && (capture.has_value() || capture_after.empty()),
+              "decoder_layers: capture_after and capture_columns must pair up, and need a capture buffer");
   const Kernels& k = kernels();
   const int64_t tokens = hidden_in.size(0);
   at::Tensor hidden = hidden_in;
@@ -108,6 +114,11 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
     const at::Tensor gate_up = k.skinny_linear.call(post_normed, w[4], biases.get(l * kBiases + 2), n[6]);
     const at::Tensor down = k.skinny_linear.call(k.silu_and_mul.call(gate_up), w[5], biases.get(l * kBiases + 3), n[7]);
     hidden = summed + down;
+    for (size_t i = 0; i < capture_after.size(); ++i) {
+      if (capture_after[i] == l + 1) {
+        capture->narrow(0, 0, tokens).narrow(1, capture_columns[i], hidden.size(1)).copy_(hidden);
+      }
+    }
   }
   return hidden;
 }
@@ -118,7 +129,8 @@ TORCH_LIBRARY_FRAGMENT(sonar, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor cos, Tensor signed_sin, Tensor[] weights, Tensor?[] biases, "
       "Tensor(a!)[] caches, int[] ints, float[] floats, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor slot_mapping, bool causal, Tensor? attention_input=None) -> Tensor");
+      "Tensor slot_mapping, bool causal, Tensor? attention_input=None, Tensor(b!)? capture=None, "
+      "int[] capture_after=[], int[] capture_columns=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonar, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
