@@ -1011,7 +1011,9 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
+  // Shares of at least 4,096 outputs: SmolLM2's four-row verification splits 2 + 2 (4.7 us a call
+  // against 5.7 on one thread, AMD EPYC), a decode row stays on one thread.
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = xp + r * 2 * width;
       const T* up = gate + width;
