@@ -23,7 +23,7 @@ import contextlib
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,20 @@ from sonar_core.layers.attention import AttentionMetadata, PagedAttention, atten
 from sonar_core.layers.decoder import DecoderLayer
 from sonar_core.layers.linear import Linear
 from sonar_core.layers.norms import RMSNorm
-from sonar_core.models.hidden_capture import HiddenStateCapture
+
+
+class StateCapture(Protocol):
+    """What the layers need of a hidden-state capture (the models' ``HiddenStateCapture``): which
+    states it wants (state ``k``: the residual stream after ``k`` layers), its buffer and each
+    state's columns there, and a way to record a state itself."""
+
+    buffer: torch.Tensor
+
+    def wants(self, index: int) -> bool: ...
+
+    def columns(self, index: int) -> slice: ...
+
+    def record(self, index: int, hidden: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -225,7 +238,7 @@ def run_stack(
     signed_sin: torch.Tensor,
     metadata: AttentionMetadata,
     attention_input: torch.Tensor | None = None,
-    capture: HiddenStateCapture | None = None,
+    capture: StateCapture | None = None,
     captured: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:
     """Consecutive stackable layers (their :meth:`DirectLayer.stack_entries`) in one kernel call;
@@ -287,7 +300,7 @@ def run_layers(
     signed_sin: torch.Tensor,
     kv_caches: Sequence[KVCache],
     metadata: AttentionMetadata,
-    capture: HiddenStateCapture | None = None,
+    capture: StateCapture | None = None,
 ) -> torch.Tensor:
     """Run ``layers`` in turn (``direct[i]``: layer i's direct form, or None), each directly where
     the kernels take it and through its module otherwise, consecutive stackable ones in one kernel
