@@ -14,6 +14,7 @@ from torch import nn
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.layers.direct_layers import DirectLayer, run_layers
+from sonar_core.layers.linear import Linear
 from sonar_core.models import hf_config_cache
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.meta_build import materialize, on_meta_device
@@ -52,7 +53,7 @@ class CausalLM(nn.Module, ABC):
     hf_config: Any
     # The output projection; when the checkpoint ties embeddings its weight *is* the embedding's,
     # so a proposer sharing it shares one tensor.
-    lm_head: nn.Linear
+    lm_head: Linear
 
     @classmethod
     def create(cls, hf_config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -188,4 +189,4 @@ class LayerStackLM(CausalLM):
         return direct
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.forward_float(hidden)

@@ -64,6 +64,29 @@ def test_each_row_gets_the_same_bits_whatever_else_is_in_the_call(dtype, rows):
     assert torch.equal(together, reversed_rows)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 4, 6, 9])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_float_output_is_the_cast_of_the_rounded_output(dtype, rows, with_bias):
+    """An LM head's logits in float32 straight from the kernel: the same values as casting its
+    output in the input's dtype, bit for bit, through the kernel and through ``Linear``."""
+    weight = _random(300, 96, dtype=dtype, seed=6)
+    bias = _random(300, dtype=dtype, seed=7) if with_bias else None
+    packed = ops.pack_linear_weight(weight)
+    x = _random(rows, 96, dtype=dtype, seed=8)
+    direct = ops.skinny_linear(x, packed, bias, 300, True)
+    assert direct.dtype == torch.float32
+    assert torch.equal(direct, ops.skinny_linear(x, packed, bias, 300).float())
+    linear = Linear(96, 300, bias=with_bias).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    prepack_linears(linear)
+    with torch.inference_mode():
+        assert torch.equal(linear.forward_float(x), linear(x).float())
+
+
 def test_float32_takes_odd_input_widths_and_bfloat16_does_not():
     """bfloat16 pairs neighbouring inputs; an odd width stays on the library's matmul."""
     assert pack_skinny(torch.randn(32, 7))[0] is not None

@@ -49,9 +49,9 @@ struct Kernels {
       add_rms_norm = kernel<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                const at::Tensor&, double)>("sonar::add_rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                      int64_t)>
+                                      int64_t, bool)>
       skinny_linear = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                        int64_t)>("sonar::skinny_linear");
+                                        int64_t, bool)>("sonar::skinny_linear");
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&)> rotary_embedding =
       kernel<void(at::Tensor, const at::Tensor&, const at::Tensor&)>("sonar::rotary_embedding_");
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>
@@ -102,17 +102,17 @@ at::Tensor decoder_layers(const at::Tensor& hidden_in, const at::Tensor& cos, co
 
     const at::Tensor normed =
         l == 0 && attention_input.has_value() ? *attention_input : k.rms_norm.call(hidden, w[0], f[0]);
-    const at::Tensor qkv = k.skinny_linear.call(normed, w[1], biases.get(l * kBiases), n[4]);
+    const at::Tensor qkv = k.skinny_linear.call(normed, w[1], biases.get(l * kBiases), n[4], false);
     const at::Tensor qk = qkv.narrow(1, 0, qk_rows).view({tokens, num_heads + num_kv_heads, head_dim});
     k.rotary_embedding.call(qk, cos, signed_sin);
     const at::Tensor v = qkv.narrow(1, qk_rows, qkv.size(1) - qk_rows).view({tokens, num_kv_heads, head_dim});
     k.store_kv.call(qk.narrow(1, num_heads, num_kv_heads), v, k_cache, v_cache, slot_mapping);
     const at::Tensor attended = k.paged_attention.call(qk.narrow(1, 0, num_heads), k_cache, v_cache, block_tables,
                                                        seq_lens, query_start_loc, f[2], causal, window);
-    const at::Tensor out = k.skinny_linear.call(attended, w[2], biases.get(l * kBiases + 1), n[5]);
+    const at::Tensor out = k.skinny_linear.call(attended, w[2], biases.get(l * kBiases + 1), n[5], false);
     auto [post_normed, summed] = k.add_rms_norm.call(out, hidden, w[3], f[1]);
-    const at::Tensor gate_up = k.skinny_linear.call(post_normed, w[4], biases.get(l * kBiases + 2), n[6]);
-    const at::Tensor down = k.skinny_linear.call(k.silu_and_mul.call(gate_up), w[5], biases.get(l * kBiases + 3), n[7]);
+    const at::Tensor gate_up = k.skinny_linear.call(post_normed, w[4], biases.get(l * kBiases + 2), n[6], false);
+    const at::Tensor down = k.skinny_linear.call(k.silu_and_mul.call(gate_up), w[5], biases.get(l * kBiases + 3), n[7], false);
     hidden = summed + down;
     for (size_t i = 0; i < capture_after.size(); ++i) {
       if (capture_after[i] == l + 1) {

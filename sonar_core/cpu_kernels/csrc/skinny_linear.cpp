@@ -443,22 +443,30 @@ inline void edge_tile(int blocks, int rows, const typename P::X* x, int64_t x_st
 }
 
 // Rounds nr rows of a tile's accumulators (acc[r][j * 16 + l], nb blocks wide) to T with the bias
-// added, into out's rows (row stride `outputs`) at the outputs of blocks b0 onwards.
-template <typename T>
-inline void write_rows(const float* acc, int nb, int nr, int64_t b0, const T* bias, T* out, int64_t outputs) {
+// added, into out's rows (row stride `outputs`) at the outputs of blocks b0 onwards. O: T, or
+// float for a float32 copy of the rounded values (what casting the T output gives).
+template <typename T, typename O>
+inline void write_rows(const float* acc, int nb, int nr, int64_t b0, const T* bias, O* out, int64_t outputs) {
   for (int r = 0; r < nr; ++r) {
-    T* orow = out + r * outputs;
+    O* orow = out + r * outputs;
     for (int j = 0; j < nb; ++j) {
       const float* a = acc + (r * nb + j) * kBlock;
       const int64_t n0 = (b0 + j) * kBlock, count = std::min(kBlock, outputs - n0);
-      for (int64_t l = 0; l < count; ++l) orow[n0 + l] = from_f32<T>(bias ? a[l] + sonar::to_f32(bias[n0 + l]) : a[l]);
+      for (int64_t l = 0; l < count; ++l) {
+        const float value = bias ? a[l] + sonar::to_f32(bias[n0 + l]) : a[l];
+        if constexpr (std::is_same_v<O, T>) {
+          orow[n0 + l] = from_f32<T>(value);
+        } else {
+          orow[n0 + l] = sonar::rounded<T>(value);
+        }
+      }
     }
   }
 }
 
 // All rows times blocks [begin, end), in tiles of kBlocks x kRows.
-template <typename T, typename P, int kBlocks, int kRows>
-void tiles(const typename P::X* x, const typename P::Weight* w, const T* bias, T* out, int64_t rows,
+template <typename T, typename P, int kBlocks, int kRows, typename O>
+void tiles(const typename P::X* x, const typename P::Weight* w, const T* bias, O* out, int64_t rows,
            int64_t begin, int64_t end, int64_t inputs, int64_t outputs, int64_t steps) {
   const int64_t block_stride = steps * kBlock * P::kInputs;
   float acc[kRows * kBlocks * kBlock];
@@ -472,7 +480,7 @@ void tiles(const typename P::X* x, const typename P::Weight* w, const T* bias, T
   }
 }
 
-template <typename T, typename P>
+template <typename T, typename P, typename O>
 void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
   const int64_t rows = x.size(0), inputs = x.size(1), outputs = out.size(1);
   const int64_t blocks = packed.size(0), steps = packed.size(1);
@@ -490,7 +498,7 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
   }
   const auto* wp = reinterpret_cast<const typename P::Weight*>(packed.data_ptr<T>());
   const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   // Below ~64k multiply-adds a second thread costs more than it saves.
   const int64_t grain = rows * outputs * inputs < (int64_t{1} << 16) ? blocks : P::kTileBlocks;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -604,6 +612,7 @@ bool amx_takes(const at::Tensor& x) {
          amx_permitted();
 }
 
+template <typename O>
 void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
   const int64_t rows = x.size(0), inputs = x.size(1), outputs = out.size(1);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -621,7 +630,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor*
   }
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   const c10::BFloat16* bp = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  O* op = out.data_ptr<O>();
   const int64_t blocks = packed.size(0), block_stride = packed.size(1) * kBlock * 2;
   const int64_t input_tiles = inputs / kAmxInputs, x_bytes = inputs * 2;
   const int64_t grain = rows * outputs * inputs < (int64_t{1} << 16) ? blocks : kAmxBlocks;
@@ -641,6 +650,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor*
 }
 #else
 bool amx_takes(const at::Tensor&) { return false; }
+template <typename O>
 void amx_linear(const at::Tensor&, const at::Tensor&, const at::Tensor*, at::Tensor&) {}
 #endif
 
@@ -689,7 +699,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features) {
+                         int64_t out_features, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "skinny_linear: tensors must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == packed.scalar_type(), "skinny_linear: x must be [rows, in] of the packed weight's dtype");
   const bool pairs = packed.scalar_type() == at::kBFloat16;
@@ -707,13 +717,21 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
     bias_ptr = &bias_dense;
   }
   const auto xc = x.contiguous();
-  auto out = at::empty({x.size(0), out_features}, x.options());
-  if (amx_takes(xc)) {
-    amx_linear(xc, packed, bias_ptr, out);
+  auto out = at::empty({x.size(0), out_features}, float_out ? x.options().dtype(at::kFloat) : x.options());
+  if (pairs && float_out) {
+    if (amx_takes(xc)) {
+      amx_linear<float>(xc, packed, bias_ptr, out);
+    } else {
+      skinny_linear_kernel<c10::BFloat16, Bf16, float>(xc, packed, bias_ptr, out);
+    }
   } else if (pairs) {
-    skinny_linear_kernel<c10::BFloat16, Bf16>(xc, packed, bias_ptr, out);
+    if (amx_takes(xc)) {
+      amx_linear<c10::BFloat16>(xc, packed, bias_ptr, out);
+    } else {
+      skinny_linear_kernel<c10::BFloat16, Bf16, c10::BFloat16>(xc, packed, bias_ptr, out);
+    }
   } else {
-    skinny_linear_kernel<float, F32>(xc, packed, bias_ptr, out);
+    skinny_linear_kernel<float, F32, float>(xc, packed, bias_ptr, out);
   }
   return out;
 }
@@ -732,7 +750,9 @@ std::string skinny_linear_path(at::ScalarType dtype) {
 
 TORCH_LIBRARY_FRAGMENT(sonar, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  // float_out: the output as float32, each value rounded to x's dtype first (the cast of the
+  // x-dtype output, without that output and the second pass over it: an LM head's logits).
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features, bool float_out=False) -> Tensor");
   m.def("skinny_linear_path(ScalarType dtype) -> str", &skinny_linear_path);
 }
 
