@@ -256,16 +256,13 @@ def run_stack(
         caches += layer_caches
         ints += layer_ints
         floats += layer_floats
-    if not captured:
-        return ops.decoder_layers(
-            hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input,
-        )
-    assert capture is not None
+    copies: tuple[Any, ...] = ()
+    if captured:
+        assert capture is not None
+        copies = (capture.buffer, [after for after, _ in captured], [capture.columns(state).start for _, state in captured])
     return ops.decoder_layers(
         hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input, capture.buffer,
-        [after for after, _ in captured], [capture.columns(state).start for _, state in captured],
+        metadata.query_start_loc, metadata.slot_mapping, metadata.causal, attention_input, *copies,
     )
 
 
