@@ -94,28 +94,25 @@ class Linear(nn.Linear):
         """``self(x).float()``: an LM head's logits. Where the skinny kernel takes ``x`` it writes
         the float32 values itself, each rounded to ``x``'s dtype as the output would be, without
         that output and the pass that casts it (about 70 us for four rows of a 49k vocabulary)."""
-        if type(self).forward is Linear.forward and x.dtype != torch.float32:
-            return self.multiply(x, self.bias, float_out=True)
-        return self(x).float()
+        return self.multiply(x, self.bias, float_out=True)
 
     def multiply(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` by the fastest path this layer was packed for (as float32 values
         rounded to ``x``'s dtype with ``float_out``)."""
+        out = self._product(x, bias, float_out)
+        return out.float() if float_out else out  # a no-op where the kernel wrote float32
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool) -> torch.Tensor:
         if self.packed_from is None or (torch.is_grad_enabled() and self.weight.requires_grad):
-            out = F.linear(x, self.weight, bias)
-            return out.float() if float_out else out
+            return F.linear(x, self.weight, bias)
         skinny = self.skinny_for(x.numel() // self.in_features, x.dtype)
-        if skinny is not None:
-            ops = cpu_kernels.for_tensor(x)
-            if ops is not None:
-                rows = x.reshape(-1, self.in_features)
-                out = ops.skinny_linear(rows, skinny, bias, self.out_features, float_out)
-                return out.view(*x.shape[:-1], self.out_features)
+        ops = None if skinny is None else cpu_kernels.for_tensor(x)
+        if ops is not None:
+            out = ops.skinny_linear(x.reshape(-1, self.in_features), skinny, bias, self.out_features, float_out)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed_weight is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        else:
-            out = F.linear(x, self.weight, bias)
-        return out.float() if float_out else out
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def skinny_for(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The packed weight the skinny kernel multiplies ``rows`` rows of ``dtype`` with, or None
@@ -186,6 +183,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.parallel.all_reduce(self.multiply(x, None))
         return out if self.bias is None else out + self.bias
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        # The partial outputs are summed in the model's dtype, as forward does, before the cast.
+        return self(x).float()
 
 
 def output_projection(in_features: int, out_features: int, bias: bool) -> Linear:
