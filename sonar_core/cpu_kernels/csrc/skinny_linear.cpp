@@ -698,6 +698,17 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
+// A bfloat16 call into an output of O (bfloat16, or float32 for float_out): AMX tiles where they
+// take it, else the vector path.
+template <typename O>
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor* bias, at::Tensor& out) {
+  if (amx_takes(x)) {
+    amx_linear<O>(x, packed, bias, out);
+  } else {
+    skinny_linear_kernel<c10::BFloat16, Bf16, O>(x, packed, bias, out);
+  }
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool float_out) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "skinny_linear: tensors must be on the CPU");
@@ -718,20 +729,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   }
   const auto xc = x.contiguous();
   auto out = at::empty({x.size(0), out_features}, float_out ? x.options().dtype(at::kFloat) : x.options());
-  if (pairs && float_out) {
-    if (amx_takes(xc)) {
-      amx_linear<float>(xc, packed, bias_ptr, out);
-    } else {
-      skinny_linear_kernel<c10::BFloat16, Bf16, float>(xc, packed, bias_ptr, out);
-    }
-  } else if (pairs) {
-    if (amx_takes(xc)) {
-      amx_linear<c10::BFloat16>(xc, packed, bias_ptr, out);
-    } else {
-      skinny_linear_kernel<c10::BFloat16, Bf16, c10::BFloat16>(xc, packed, bias_ptr, out);
-    }
-  } else {
+  if (!pairs) {
     skinny_linear_kernel<float, F32, float>(xc, packed, bias_ptr, out);
+  } else if (float_out) {
+    bf16_linear<float>(xc, packed, bias_ptr, out);
+  } else {
+    bf16_linear<c10::BFloat16>(xc, packed, bias_ptr, out);
   }
   return out;
 }
