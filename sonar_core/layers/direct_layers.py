@@ -257,8 +257,7 @@ def run_stack(
         ints += layer_ints
         floats += layer_floats
     copies: tuple[Any, ...] = ()
-    if captured:
-        assert capture is not None
+    if capture is not None and captured:
         copies = (capture.buffer, [after for after, _ in captured], [capture.columns(state).start for _, state in captured])
     return ops.decoder_layers(
         hidden, cos, signed_sin, weights, biases, caches, ints, floats, metadata.block_tables, metadata.seq_lens,
