@@ -56,11 +56,6 @@ class TrainingTarget:
         weight = self.modules.lm_head.weight.detach()
         return weight if token_ids is None else weight.index_select(0, token_ids)
 
-    @torch.no_grad()
-    def choices(self, final: torch.Tensor, lm_head_rows: torch.Tensor) -> torch.Tensor:
-        """``[n]`` the target's greedy token at each of the final states ``[n, H]``, as an index
-        into the rows of ``lm_head_rows`` (the head's vocabulary)."""
-        return (final @ lm_head_rows.T).argmax(dim=-1)
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from sonar_core.entrypoints.cli import main
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 
@@ -63,3 +65,24 @@ def test_conversation_prompts_and_a_head_to_start_from(tmp_path, target, capsys)
     assert DraftCheckpoint.open(str(tuned)).speculators.model_type == "eagle3"
     assert main(_args(target, tmp_path / "other", "--conversation-prompts", "-1")) == 2
     assert "--conversation-prompts must not be negative" in capsys.readouterr().err
+
+
+def test_labels_distribution_trains_and_is_its_own_setting(tmp_path, target, capsys):
+    """--labels distribution trains a head that loads; a state started with the default labels
+    records no labels (states of earlier versions still resume) and is refused for another kind."""
+    work = tmp_path / "head.work"
+    assert main(_args(target, tmp_path / "head", "--eval-prompts", "0", "--work-dir", str(work))) == 0
+    capsys.readouterr()
+    recorded = json.loads(torch.load(work / "eagle3-state.pt", weights_only=True)["fingerprint"])
+    assert "labels" not in recorded
+    assert set(recorded["head"]) == {"depth", "draft_vocab_size", "num_layers", "intermediate_size"}
+    extra = ("--eval-prompts", "0", "--work-dir", str(work), "--labels", "distribution")
+    assert main(_args(target, tmp_path / "soft", *extra)) == 2
+    assert "holds a training run with other settings" in capsys.readouterr().err
+    soft = tmp_path / "soft"
+    (work / "eagle3-state.pt").unlink()
+    assert main(_args(target, soft, *extra)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["training"]["steps_done"] == report["training"]["total_steps"] > 0
+    assert DraftCheckpoint.open(str(soft)).speculators.model_type == "eagle3"
+    assert json.loads(torch.load(work / "eagle3-state.pt", weights_only=True)["fingerprint"])["labels"] == "distribution"

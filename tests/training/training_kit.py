@@ -29,10 +29,11 @@ def data_spec(target: Path, **changes) -> DataSpec:
 
 
 def make_trainer(method: str, training_target: TrainingTarget, dataset: StreamingDataset, depth: int = 3,
-                 seed: int = 0) -> HeadTrainer:
-    """A freshly initialised head of ``method`` for the tiny target (seeded)."""
+                 seed: int = 0, labels: str = "choice") -> HeadTrainer:
+    """A freshly initialised head of ``method`` for the tiny target (seeded), learning ``labels``."""
     counts = dataset.answer_token_counts(training_target.vocab_size)
     size = DRAFT_VOCAB if reduces_vocabulary(method) else training_target.vocab_size
     torch.manual_seed(seed)
-    return build_trainer(method, training_target, HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB),
-                         draft_vocabulary(counts, size), dataset.layer_ids, training_target.vocab_size - 1)
+    options = HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB, labels=labels)
+    return build_trainer(method, training_target, options, draft_vocabulary(counts, size), dataset.layer_ids,
+                         training_target.vocab_size - 1)

@@ -10,7 +10,7 @@ from typing import Any
 
 from sonar_core.entrypoints.args import add_model_arg
 from sonar_core.errors import ConfigError
-from sonar_core.training.methods import METHODS
+from sonar_core.training.methods import LABEL_KINDS, METHODS
 
 NAME = "train-draft"
 
@@ -50,6 +50,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--init-from", type=Path, default=None,
                           help="eagle3: start from a head written earlier (a speculators folder) instead of random "
                                "weights, to fine-tune it on new data.")
+    training.add_argument("--labels", choices=LABEL_KINDS, default="choice",
+                          help="What the head learns at each position: the target's greedy choice, or its whole "
+                               "distribution over the head's vocabulary (soft labels) (default: choice).")
     training.add_argument("--epochs", type=int, default=4, help="Passes over the data (default: 4).")
     training.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (default: 1e-3).")
     training.add_argument("--batch-rows", type=int, default=1024, help="Positions per step (default: 1024).")
@@ -109,7 +112,7 @@ def _recipe(args: argparse.Namespace) -> Any:
                       dtype=args.dtype, layer_ids=layers, max_num_seqs=args.max_num_seqs,
                       conversation_prompts=args.conversation_prompts),
         head=HeadOptions(depth=args.num_speculative_tokens, draft_vocab_size=args.draft_vocab_size,
-                         num_layers=args.num_layers, intermediate_size=args.intermediate_size),
+                         num_layers=args.num_layers, intermediate_size=args.intermediate_size, labels=args.labels),
         settings=TrainSettings(epochs=args.epochs, learning_rate=args.learning_rate, batch_rows=args.batch_rows,
                                max_rows=args.max_rows, seed=args.seed, save_every=args.save_every),
         eval_prompts=args.eval_prompts,

@@ -27,6 +27,9 @@ _TRAINERS: dict[str, str] = {
     "dflash": "DFlashTrainer",
 }
 METHODS: tuple[str, ...] = tuple(_TRAINERS)
+# What a head can learn at each position (HeadOptions.labels): the target's greedy choice, or its
+# whole distribution over the head's vocabulary.
+LABEL_KINDS: tuple[str, ...] = ("choice", "distribution")
 
 
 def trainer_class(method: str) -> type[HeadTrainer]:

@@ -2,10 +2,11 @@
 
 A :class:`HeadTrainer` wraps the plugin's own head module (the class that drafts at inference),
 computes the loss of a batch through that module's forward, and writes the trained head in its
-method's published layout. The loss is the cross-entropy of the head's logits against the target's
-greedy choice (:meth:`~sonar_core.training.target.TrainingTarget.choices`), per draft position,
-weighted ``DEPTH_DECAY ** position``: later positions only count when the earlier ones were
-accepted, so they matter less (EAGLE-3's and HASS's choice).
+method's published layout. The loss is the cross-entropy of the head's logits against what the
+target wants at each position (:class:`RowTargets`: its greedy choice, or its whole distribution
+over the head's vocabulary), per draft position, weighted ``DEPTH_DECAY ** position``: later
+positions only count when the earlier ones were accepted, so they matter less (EAGLE-3's and
+HASS's choice).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from sonar_core.layers.decoder import fused_projections
 from sonar_core.training.dataset import TrainingSequence
+from sonar_core.training.methods import LABEL_KINDS
 from sonar_core.training.target import TrainingTarget
 
 DEPTH_DECAY = 0.8
@@ -28,7 +30,7 @@ DEPTH_DECAY = 0.8
 
 @dataclass(frozen=True)
 class HeadOptions:
-    """The shape of the head to train."""
+    """The shape of the head to train, and what it learns."""
 
     # Draft tokens per step the head is trained for (EAGLE-3's unrolled steps, Medusa's heads, the
     # MLP speculator's stages, a DFlash block's drafts).
@@ -38,6 +40,28 @@ class HeadOptions:
     # Draft decoder layers (EAGLE-3, DFlash) and their MLP width (None: the target's).
     num_layers: int = 1
     intermediate_size: int | None = None
+    # What the head learns at every position: the target's greedy choice ("choice": one token), or
+    # the target's whole distribution over the head's vocabulary ("distribution": soft labels,
+    # which also say how near the runners-up were; a richer signal per position when the data is
+    # small, and the distribution that sampled verification accepts against).
+    labels: str = "choice"
+
+    def __post_init__(self) -> None:
+        if self.labels not in LABEL_KINDS:
+            raise ValueError(f"labels must be one of {', '.join(LABEL_KINDS)}, got {self.labels!r}")
+
+
+@dataclass(frozen=True)
+class RowTargets:
+    """What the target wants at rows of a batch: its greedy choice at each (an index into the
+    head's vocabulary) and, when the head learns distributions, its probabilities over that
+    vocabulary. Indexing with rows gives the targets of those rows."""
+
+    choices: torch.Tensor  # [n]
+    probabilities: torch.Tensor | None = None  # [n, V'] float32, or None
+
+    def __getitem__(self, rows: torch.Tensor) -> RowTargets:
+        return RowTargets(self.choices[rows], None if self.probabilities is None else self.probabilities[rows])
 
 
 @dataclass
@@ -111,9 +135,13 @@ class HeadTrainer(ABC):
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
         """Write the head in its published layout (weights in ``dtype``); returns ``out_dir``."""
 
-    def labels(self, sequence: TrainingSequence) -> torch.Tensor:
-        """``[n]`` the target's choice at every row, as an index into the head's vocabulary."""
-        return self.target.choices(sequence.final, self.lm_head_rows)
+    @torch.no_grad()
+    def row_targets(self, final: torch.Tensor) -> RowTargets:
+        """What the target wants at each of the final states ``[n, H]`` (rows of a batch), over the
+        head's vocabulary: the target's LM head rows of that vocabulary score them."""
+        logits = final @ self.lm_head_rows.T
+        probabilities = torch.softmax(logits.float(), dim=-1) if self.options.labels == "distribution" else None
+        return RowTargets(logits.argmax(dim=-1), probabilities)
 
 
 class FlatBatch:
@@ -154,14 +182,15 @@ class PositionLoss:
         self.chained = [0] * depth
         self._alive: torch.Tensor | None = None  # per row id: every draft so far right
 
-    def add(self, position: int, logits: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
-        """Score ``[R, V']`` draft logits against ``[R]`` target choices at draft ``position``;
+    def add(self, position: int, logits: torch.Tensor, targets: RowTargets, rows: torch.Tensor) -> None:
+        """Score ``[R, V']`` draft logits against the targets of their ``R`` rows at draft ``position``;
         ``rows`` names the draft each row continues (the row, or anchor, its chain started from),
         positions in order, each position's rows among the previous position's."""
         if logits.shape[0] == 0:
             return
-        self.terms.append(DEPTH_DECAY**position * F.cross_entropy(logits, labels))
-        right = logits.argmax(-1) == labels
+        wanted = targets.choices if targets.probabilities is None else targets.probabilities
+        self.terms.append(DEPTH_DECAY**position * F.cross_entropy(logits, wanted))
+        right = logits.argmax(-1) == targets.choices
         self.counts[position] += int(logits.shape[0])
         self.correct[position] += int(right.sum())
         size = int(rows.max()) + 1

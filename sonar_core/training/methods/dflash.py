@@ -99,9 +99,9 @@ class DFlashTrainer(HeadTrainer):
         slots = self.block_states(batch, anchors)
         final = batch.cat("final")
         for slot in range(1, self.block_size):
-            # Labels only where a slot needs one: the full-vocabulary LM head is costly.
-            labels = self.target.choices(final[anchors + slot - 1], self.lm_head_rows)
-            losses.add(slot - 1, self.head.compute_logits(slots[:, slot]), labels, anchors)
+            # Targets only where a slot needs one: the full-vocabulary LM head is costly.
+            targets = self.row_targets(final[anchors + slot - 1])
+            losses.add(slot - 1, self.head.compute_logits(slots[:, slot]), targets, anchors)
         return losses.result(self.head)
 
     def block_states(self, batch: FlatBatch, anchors: torch.Tensor) -> torch.Tensor:

@@ -136,10 +136,10 @@ class Eagle3Trainer(HeadTrainer):
 
     def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
         batch = FlatBatch(sequences)
-        labels = torch.cat([self.labels(s) for s in sequences])
+        targets = self.row_targets(batch.cat("final"))
         losses = PositionLoss(self.options.depth)
         for step, rows, out in self.unroll(batch):
-            losses.add(step, self.head.compute_logits(out), labels[rows + step + 1], rows)
+            losses.add(step, self.head.compute_logits(out), targets[rows + step + 1], rows)
         return losses.result(self.head)
 
     def unroll(self, batch: FlatBatch) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -50,12 +50,13 @@ class MedusaTrainer(HeadTrainer):
     def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
         losses = PositionLoss(self.options.depth)
         batch = FlatBatch(sequences)
-        logits = self.heads(batch.cat("final"))  # [heads, rows, V']
-        labels = torch.cat([self.labels(s) for s in sequences])
+        final = batch.cat("final")
+        logits = self.heads(final)  # [heads, rows, V']
+        targets = self.row_targets(final)
         all_rows = torch.arange(batch.num_rows)
         for head in range(self.options.depth):
             rows = all_rows[batch.within(all_rows, head + 1)]
-            losses.add(head, logits[head, rows], labels[rows + head + 1], rows)
+            losses.add(head, logits[head, rows], targets[rows + head + 1], rows)
         return losses.result(self.heads)
 
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:

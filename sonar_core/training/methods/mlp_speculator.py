@@ -50,17 +50,18 @@ class MLPSpeculatorTrainer(HeadTrainer):
     def batch_loss(self, sequences: list[TrainingSequence], generator: torch.Generator) -> BatchLoss:
         losses = PositionLoss(self.options.depth)
         batch = FlatBatch(sequences)
-        labels = torch.cat([self.labels(s) for s in sequences])
+        final = batch.cat("final")
+        targets = self.row_targets(final)
         rows = torch.arange(batch.num_rows)
         rows = rows[batch.within(rows, 1)]
-        state = self.speculator.first_state(batch.cat("final")[rows])
+        state = self.speculator.first_state(final[rows])
         for stage in range(self.options.depth):
             keep = batch.within(rows, stage + 1)
             rows, state = rows[keep], state[keep]
             if rows.numel() == 0:
                 break
             state, logits = self.speculator.stage(stage, state, batch.token_after(rows, stage + 1))
-            losses.add(stage, logits, labels[rows + stage + 1], rows)
+            losses.add(stage, logits, targets[rows + stage + 1], rows)
         return losses.result(self.speculator)
 
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
