@@ -42,8 +42,8 @@ class HeadOptions:
     intermediate_size: int | None = None
     # What the head learns at every position: the target's greedy choice ("choice": one token), or
     # the target's whole distribution over the head's vocabulary ("distribution": soft labels,
-    # which also say how near the runners-up were; a richer signal per position when the data is
-    # small, and the distribution that sampled verification accepts against).
+    # which also say how near the runners-up were, the distribution sampled verification accepts
+    # against). Fine-tuning the shipped EAGLE-3 head, both accepted alike (docs/training.md).
     labels: str = "choice"
 
     def __post_init__(self) -> None:
