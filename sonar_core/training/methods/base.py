@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sonar_core.errors import ConfigError
 from sonar_core.layers.decoder import fused_projections
 from sonar_core.training.dataset import TrainingSequence
 from sonar_core.training.methods import LABEL_KINDS
@@ -48,7 +49,8 @@ class HeadOptions:
 
     def __post_init__(self) -> None:
         if self.labels not in LABEL_KINDS:
-            raise ValueError(f"labels must be one of {', '.join(LABEL_KINDS)}, got {self.labels!r}")
+            raise ConfigError("labels", f"labels must be one of {', '.join(LABEL_KINDS)}, got {self.labels!r}",
+                              f"pass --labels {' or --labels '.join(LABEL_KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,6 @@ class HeadTrainer(ABC):
     def start_from(self, head_dir: Path) -> None:
         """Load the weights of a head this method wrote earlier (fine tuning on more data). Only
         EAGLE-3 implements it; the other methods refuse it with a ConfigError."""
-        from sonar_core.errors import ConfigError
-
         raise ConfigError("init_from", f"{self.method} heads cannot start from an earlier head: only eagle3 "
                           "fine-tunes one", "train this method from scratch (leave out --init-from)")
 
