@@ -149,11 +149,12 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
     state_file = work / f"{recipe.method}-state.pt"
     # Settings added later enter the fingerprint only when not at their default, so a run started
     # before they existed still resumes.
-    head = {name: value for name, value in asdict(recipe.head).items() if name != "labels"}
+    head = asdict(recipe.head)
+    labels = head.pop("labels")
     fingerprint = {"method": recipe.method, "head": head, "data": recipe.data.comparable(),
                    "prompts": recipe.data.num_prompts, "vocab": vocab.tolist()}
-    if recipe.head.labels != HeadOptions().labels:
-        fingerprint["labels"] = recipe.head.labels
+    if labels != HeadOptions().labels:
+        fingerprint["labels"] = labels
     if recipe.data.conversation_prompts:
         fingerprint["conversation_prompts"] = recipe.data.conversation_prompts
     if recipe.init_from is not None:
