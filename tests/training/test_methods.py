@@ -28,6 +28,13 @@ def _first_batch_loss(trainer: HeadTrainer, dataset: StreamingDataset) -> float:
         return trainer.batch_loss(sequences, torch.Generator().manual_seed(0)).loss.item()
 
 
+def _train_and_check_the_loss_falls(trainer: HeadTrainer, dataset: StreamingDataset, tmp_path: Path, method: str) -> None:
+    before = _first_batch_loss(trainer, dataset)
+    outcome = train(trainer, dataset, SETTINGS, tmp_path / "state.pt", {"method": method})
+    assert outcome.finished and outcome.steps_done > 10
+    assert _first_batch_loss(trainer, dataset) < 0.95 * before
+
+
 @pytest.fixture(scope="module")
 def plain_output(target: Path) -> list[list[int]]:
     return greedy_outputs(target, _prompts(), max_num_seqs=4)[0]
@@ -38,10 +45,7 @@ def test_head_learns_loads_in_its_plugin_and_keeps_greedy_output(
     method, tmp_path, target, dataset, training_target, plain_output
 ):
     trainer = make_trainer(method, training_target, dataset)
-    before = _first_batch_loss(trainer, dataset)
-    outcome = train(trainer, dataset, SETTINGS, tmp_path / "state.pt", {"method": method})
-    assert outcome.finished and outcome.steps_done > 10
-    assert _first_batch_loss(trainer, dataset) < 0.95 * before
+    _train_and_check_the_loss_falls(trainer, dataset, tmp_path, method)
 
     head = trainer.export(tmp_path / "head", torch.float32)
     config = {"method": method, "model": str(head), "num_speculative_tokens": 3}
@@ -111,10 +115,7 @@ def test_the_distribution_loss_is_the_cross_entropy_against_the_targets_probabil
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_learns_the_targets_distribution(method, tmp_path, dataset, training_target):
     trainer = make_trainer(method, training_target, dataset, labels="distribution")
-    before = _first_batch_loss(trainer, dataset)
-    outcome = train(trainer, dataset, SETTINGS, tmp_path / "state.pt", {"method": method})
-    assert outcome.finished and outcome.steps_done > 10
-    assert _first_batch_loss(trainer, dataset) < 0.95 * before
+    _train_and_check_the_loss_falls(trainer, dataset, tmp_path, method)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
