@@ -10,6 +10,7 @@ from training_kit import SETTINGS, make_trainer
 
 from sonar_core.errors import ConfigError
 from sonar_core.training.loop import TrainSettings, train
+from sonar_core.training.methods.base import FlatBatch
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
@@ -56,3 +57,28 @@ def test_an_eagle3_head_starts_from_an_earlier_head(tmp_path, dataset, training_
         deeper.start_from(head_dir)
     with pytest.raises(ConfigError, match="cannot start from an earlier head"):
         make_trainer("medusa", training_target, dataset).start_from(head_dir)
+
+
+def test_an_eagle3_head_grows_from_an_earlier_head_with_fewer_layers(tmp_path, dataset, training_target):
+    earlier = make_trainer("eagle3", training_target, dataset, seed=1)
+    train(earlier, dataset, SETTINGS, tmp_path / "earlier.pt", {"method": "eagle3"}, stop_after=3)
+    head_dir = earlier.export(tmp_path / "earlier", torch.float32)
+    grown = make_trainer("eagle3", training_target, dataset, seed=2, num_layers=2)
+    grown.start_from(head_dir)
+    mine = grown.module.state_dict()
+    for name, tensor in earlier.module.state_dict().items():
+        assert torch.equal(mine[name], tensor), name
+    # The added layer passes its input through, so the grown head predicts what the earlier one
+    # did, at every step of the training-time test, before any training.
+    batch = FlatBatch(dataset.load(list(range(len(dataset.records))), dataset.layer_ids, final=True))
+    with torch.no_grad():
+        for (step, rows, out), (_, grown_rows, grown_out) in zip(
+            earlier.unroll(batch), grown.unroll(batch), strict=True
+        ):
+            assert torch.equal(rows, grown_rows), step
+            torch.testing.assert_close(grown.module.compute_logits(grown_out), earlier.module.compute_logits(out))
+    # It trains from there, and a head with more layers than this one is refused.
+    train(grown, dataset, SETTINGS, tmp_path / "grown.pt", {"method": "eagle3"}, stop_after=2)
+    assert grown.module.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(ConfigError, match="no more layers"):
+        make_trainer("eagle3", training_target, dataset).start_from(grown.export(tmp_path / "grown", torch.float32))

@@ -29,11 +29,12 @@ def data_spec(target: Path, **changes) -> DataSpec:
 
 
 def make_trainer(method: str, training_target: TrainingTarget, dataset: StreamingDataset, depth: int = 3,
-                 seed: int = 0, labels: str = "choice") -> HeadTrainer:
-    """A freshly initialised head of ``method`` for the tiny target (seeded), learning ``labels``."""
+                 seed: int = 0, labels: str = "choice", num_layers: int = 1) -> HeadTrainer:
+    """A freshly initialised head of ``method`` for the tiny target (seeded), learning ``labels``,
+    with ``num_layers`` draft layers."""
     counts = dataset.answer_token_counts(training_target.vocab_size)
     size = DRAFT_VOCAB if reduces_vocabulary(method) else training_target.vocab_size
     torch.manual_seed(seed)
-    options = HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB, labels=labels)
+    options = HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB, labels=labels, num_layers=num_layers)
     return build_trainer(method, training_target, options, draft_vocabulary(counts, size), dataset.layer_ids,
                          training_target.vocab_size - 1)

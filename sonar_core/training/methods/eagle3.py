@@ -117,7 +117,9 @@ class Eagle3Trainer(HeadTrainer):
     def start_from(self, head_dir: Path) -> None:
         """Start from the weights of a head written earlier for the same target and shape (fine
         tuning on more data): every trained tensor; the LM head stays the target's rows of this
-        run's draft vocabulary, which more data can change."""
+        run's draft vocabulary, which more data can change. An earlier head with fewer layers
+        grows: its layers are taken and the added ones keep their start as identities (zero
+        residual branches), so training starts from the earlier head's very predictions."""
         from sonar_eagle.loading import load_head
 
         from sonar_core.errors import ConfigError
@@ -126,11 +128,12 @@ class Eagle3Trainer(HeadTrainer):
                                torch.device("cpu"))
         mine = self.head.state_dict()
         theirs = {name: t for name, t in earlier.state_dict().items() if name != "lm_head.weight"}
-        names = (set(mine) - {"lm_head.weight"}) | set(theirs)
+        added = _added_layer_names(mine, len(earlier.layers), len(self.head.layers))
+        names = (set(mine) - {"lm_head.weight"} - added) | set(theirs)
         differing = sorted(n for n in names if n not in mine or n not in theirs or theirs[n].shape != mine[n].shape)
         if differing:
             raise ConfigError("init_from", f"{head_dir} is not a head of this shape (differs in {differing[0]})",
-                              "start from a head trained with the same target, layers and sizes")
+                              "start from a head trained with the same target and sizes, and no more layers")
         for name, tensor in theirs.items():
             mine[name].copy_(tensor)
 
@@ -181,3 +184,9 @@ class Eagle3Trainer(HeadTrainer):
         if self.layout.has_vocab_map:
             tensors.update(vocab_maps(self.draft_vocab, self.target.vocab_size))
         return save_draft_checkpoint(out_dir, tensors, self.config)
+
+
+def _added_layer_names(names: dict[str, torch.Tensor], earlier_layers: int, layers: int) -> set[str]:
+    """The tensors of layers ``earlier_layers .. layers - 1``: what growing a head adds."""
+    added = {f"layers.{i}." for i in range(earlier_layers, layers)}
+    return {name for name in names if any(name.startswith(prefix) for prefix in added)}
