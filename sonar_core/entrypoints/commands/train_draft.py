@@ -49,7 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training = parser.add_argument_group("training")
     training.add_argument("--init-from", type=Path, default=None,
                           help="eagle3: start from a head written earlier (a speculators folder) instead of random "
-                               "weights, to fine-tune it on new data.")
+                               "weights, to fine-tune it on new data; with a larger --num-layers the earlier head "
+                               "grows, its added layers starting as identities.")
     training.add_argument("--labels", choices=LABEL_KINDS, default="choice",
                           help="What the head learns at each position: the target's greedy choice, or its whole "
                                "distribution over the head's vocabulary (soft labels) (default: choice).")
