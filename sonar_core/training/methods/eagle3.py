@@ -186,7 +186,7 @@ class Eagle3Trainer(HeadTrainer):
         return save_draft_checkpoint(out_dir, tensors, self.config)
 
 
-def _added_layer_names(names: dict[str, torch.Tensor], earlier_layers: int, layers: int) -> set[str]:
-    """The tensors of layers ``earlier_layers .. layers - 1``: what growing a head adds."""
-    added = {f"layers.{i}." for i in range(earlier_layers, layers)}
-    return {name for name in names if any(name.startswith(prefix) for prefix in added)}
+def _added_layer_names(state: dict[str, torch.Tensor], earlier_layers: int, layers: int) -> set[str]:
+    """The names in ``state`` of layers ``earlier_layers .. layers - 1``: what growing a head adds."""
+    added = tuple(f"layers.{i}." for i in range(earlier_layers, layers))
+    return {name for name in state if name.startswith(added)}
