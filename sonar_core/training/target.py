@@ -57,7 +57,6 @@ class TrainingTarget:
         return weight if token_ids is None else weight.index_select(0, token_ids)
 
 
-
 def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids of ``counts`` (ties: the lower id), ascending: EAGLE-3's
     rule for a reduced draft vocabulary."""

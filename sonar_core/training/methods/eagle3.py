@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 from sonar_core.spec_decode.draft_layouts import (
     draft_layer_config,
@@ -121,8 +122,6 @@ class Eagle3Trainer(HeadTrainer):
         grows: its layers are taken and the added ones keep their start as identities (zero
         residual branches), so training starts from the earlier head's very predictions."""
         from sonar_eagle.loading import load_head
-
-        from sonar_core.errors import ConfigError
 
         earlier, _ = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", self.target.modules, torch.float32,
                                torch.device("cpu"))
