@@ -95,6 +95,19 @@ class Progress:
         elapsed = time.perf_counter() - self._started
         self._bar.set_postfix(tokens_per_s=f"{self._tokens / max(elapsed, 1e-9):.0f}", refresh=False)
 
+    def prompts(self, done: int, total: int) -> None:
+        """The target writing its own prompts (a bar of its own, closed when the answers start)."""
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=done, desc="data (prompts written)", unit="prompt")
+            return
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self.close()
+
     def step(self, record: StepRecord, done: int, total: int) -> None:
         if not self.enabled:
             return
@@ -123,7 +136,7 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
 
     started = time.perf_counter()
     data = SelfDistillationData(work / "data")
-    generated = data.generate(recipe.data, progress=bars.data)
+    generated = data.generate(recipe.data, progress=bars.data, prompt_progress=bars.prompts)
     bars.close()
     report.timings["data"] = time.perf_counter() - started
     files = data.files(recipe.data)
@@ -155,8 +168,9 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
                    "prompts": recipe.data.num_prompts, "vocab": vocab.tolist()}
     if labels != HeadOptions().labels:
         fingerprint["labels"] = labels
-    if recipe.data.conversation_prompts:
-        fingerprint["conversation_prompts"] = recipe.data.conversation_prompts
+    for count in ("conversation_prompts", "generated_prompts"):
+        if getattr(recipe.data, count):
+            fingerprint[count] = getattr(recipe.data, count)
     if recipe.init_from is not None:
         fingerprint["init_from"] = _weights_digest(Path(recipe.init_from))
     outcome = train(trainer, dataset, recipe.settings, state_file, fingerprint, stop_after=stop_after,
@@ -185,7 +199,7 @@ def run(recipe: DraftRecipe, *, progress: bool = True, stop_after: int | None = 
 
     if recipe.eval_prompts:
         started = time.perf_counter()
-        prompts = held_out_prompts(recipe.data, recipe.eval_prompts)
+        prompts = held_out_prompts(recipe.data, recipe.eval_prompts, data.spare(recipe.data))
         report.evaluation = acceptance(recipe, [list(p.messages) for p in prompts])
         report.timings["evaluate"] = time.perf_counter() - started
     _write_report(work, report)

@@ -86,3 +86,22 @@ def test_labels_distribution_trains_and_is_its_own_setting(tmp_path, target, cap
     assert report["training"]["steps_done"] == report["training"]["total_steps"] > 0
     assert DraftCheckpoint.open(str(soft)).speculators.model_type == "eagle3"
     assert json.loads(torch.load(work / "eagle3-state.pt", weights_only=True)["fingerprint"])["labels"] == "distribution"
+
+
+def test_generated_prompts_are_answered_trained_on_and_held_out(tmp_path, target, capsys):
+    """--generated-prompts trains on the prompts the target wrote into the data folder (written
+    here beforehand, as a first run leaves them) and measures acceptance on its spare ones."""
+    from sonar_core.training.data import GENERATED_SPARE
+    from sonar_core.training.generated_prompts import FILE_NAME
+
+    work = tmp_path / "head.work"
+    (work / "data").mkdir(parents=True)
+    lines = [json.dumps({"attempt": i, "text": f"write two lines about the colour number {i}"})
+             for i in range(2 + GENERATED_SPARE)]
+    (work / "data" / FILE_NAME).write_text("\n".join(lines) + "\n")
+    extra = ("--generated-prompts", "2", "--work-dir", str(work), "--eval-prompts", "5")
+    assert main(_args(target, tmp_path / "head", *extra)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["data"]["prompts"] == 8 + 2 and report["evaluation"]["prompts"] == 5
+    assert main(_args(target, tmp_path / "other", "--generated-prompts", "-3")) == 2
+    assert "--generated-prompts must not be negative" in capsys.readouterr().err

@@ -34,6 +34,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     data.add_argument("--conversation-prompts", type=int, default=0,
                       help="Prompts of the conversation set (everyday requests whose answers copy little) beside "
                            "--num-prompts; more added later extend the same data folder (default: 0).")
+    data.add_argument("--generated-prompts", type=int, default=0,
+                      help="Prompts the target writes itself (user turns sampled from its chat template: requests on "
+                           "far more subjects than the built-in sets) beside the others; written once into the data "
+                           "folder, and more added later extend it (default: 0).")
     data.add_argument("--max-tokens", type=int, default=256, help="Most tokens per answer (default: 256).")
     data.add_argument("--max-num-seqs", type=int, default=24, help="Answers generated at once (default: 24).")
     data.add_argument("--dtype", default="auto", help="The target's dtype while answering (default: auto).")
@@ -99,9 +103,10 @@ def _recipe(args: argparse.Namespace) -> Any:
         if getattr(args, name) < 1:
             raise ConfigError(name, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}",
                               "pass a positive number")
-    if args.conversation_prompts < 0:
-        raise ConfigError("conversation_prompts", f"--conversation-prompts must not be negative, got "
-                          f"{args.conversation_prompts}", "pass 0 or more")
+    for name in ("conversation_prompts", "generated_prompts"):
+        if getattr(args, name) < 0:
+            raise ConfigError(name, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}",
+                              "pass 0 or more")
     num_layers = TargetInfo.from_model(args.model).num_layers or 0
     layers = tuple(dict.fromkeys(k for k in eagle3_default_layers(num_layers) if 0 < k <= num_layers))
     output = args.output.expanduser()
@@ -111,7 +116,7 @@ def _recipe(args: argparse.Namespace) -> Any:
         work_dir=(args.work_dir or output.with_name(output.name + ".work")).expanduser(),
         data=DataSpec(model=args.model, num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
                       dtype=args.dtype, layer_ids=layers, max_num_seqs=args.max_num_seqs,
-                      conversation_prompts=args.conversation_prompts),
+                      conversation_prompts=args.conversation_prompts, generated_prompts=args.generated_prompts),
         head=HeadOptions(depth=args.num_speculative_tokens, draft_vocab_size=args.draft_vocab_size,
                          num_layers=args.num_layers, intermediate_size=args.intermediate_size, labels=args.labels),
         settings=TrainSettings(epochs=args.epochs, learning_rate=args.learning_rate, batch_rows=args.batch_rows,
