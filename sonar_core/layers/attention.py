@@ -44,45 +44,78 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 
 # Sonar's CPU kernel attends in place for decode steps (one query per sequence), and, where that
 # is faster for several queries too (AVX-512 builds share each key among a sequence's queries, AVX2
-# builds beat the gathered SDPA query by query), for steps of up to :func:`in_place_limit` queries
-# per sequence. Longer rows (prefill chunks) gather their context and let PyTorch's SDPA run its
-# blocked matmuls. Measured on SmolLM2 (9 query / 3 KV heads of 64), bfloat16, 2 threads, a whole
-# step in place against gathered, on a Xeon with AMX (eight queries is the limit there): over 256
-# cached tokens 4 queries 25.7 / 30.4 ms, 8 queries 37.6 / 40.7, 16 queries 42.9 / 47.2; over
-# 2,048 tokens 4 queries 38.8 / 41.9, 8 queries 76.4 / 77.5, 16 queries 84.1 / 74.2. Decode alone
-# over 2,048 tokens at batch 16: 142 ms against 144; over 512 tokens: 54 against 118.
+# builds beat the gathered SDPA query by query), for longer rows as :func:`in_place_policy` says.
+# Other rows (prefill chunks) gather their context and let PyTorch's SDPA run its blocked matmuls.
+#
 # Where the gathered path has no AMX tiles, kernels that share keys stay ahead at every row length
 # measured, so there every step attends in place, prompts included. On an AMD EPYC with AVX-512
 # BF16 (2 threads): steps of 9 / 12 / 16 rows over 2,048 cached tokens 55.5 / 58.4 / 71.6 ms
 # gathered against 26.9 / 33.0 / 38.3 in place (bfloat16); whole prefills 11-23% faster in place
 # at 32-2,048 tokens (float32 3-9%), 1.58x at 8,000 (docs/performance.md, "First tokens on
 # Sonar's kernels"). AVX2 builds keep eight: their query-by-query path was not measured past it.
+#
+# With AMX, SDPA multiplies bfloat16 on tiles, and a row of many queries over many keys is faster
+# gathered; short rows are still faster in place. On a Xeon with AMX (SmolLM2, 2 threads, a whole
+# step, gathered past eight queries against in place, median ms; docs/performance.md, "Prompts in
+# place on AMX"): whole prompts of 32 / 128 / 220 / 300 / 400 / 1,024 tokens 25.3 / 53.7 / 94.6 /
+# 129.6 / 163.6 / 490.6 against 20.5 / 48.7 / 87.0 / 121.8 / 167.8 / 616.1; over a cached context
+# of 512, 16 / 48 / 64 new tokens 24.7 / 38.7 / 41.9 against 20.2 / 36.2 / 44.9; over 2,048, 16 /
+# 24 new tokens 40.1 / 46.3 against 37.8 / 51.0; 16 prompts of 40 tokens in one step 284.6
+# against 242.0. The row's causal scores (:func:`longest_row_scores`) separate the two: in place
+# wins up to about 33k of them (1.06-1.28x), gathered from about 35k (1.07-1.5x), so bfloat16 with
+# AMX attends in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32 the same Xeon's SDPA has no
+# tiles and in place won everywhere measured (1.01-1.15x, up to 1,024-token prompts).
+#
 # A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
 # splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
 # batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
 BATCHED_MAX_QUERIES = 8
+AMX_BF16_IN_PLACE_MAX_SCORES = 32_768
 
 
-def in_place_max_queries(flags: frozenset[str], shares_keys: bool) -> int:
-    """The most queries per sequence that attend in place on a CPU with these flags, for kernels
-    that verify in place; ``shares_keys``: they score each key once for all of a sequence's queries
-    (AVX-512 builds). ``sys.maxsize``: every step does."""
-    return sys.maxsize if shares_keys and "amx_bf16" not in flags else 8
+@dataclass(frozen=True)
+class InPlacePolicy:
+    """Which steps attend in place: those whose rows have at most ``max_queries`` queries each, and
+    longer ones while their longest row scores at most ``max_scores`` query-key pairs."""
+
+    max_queries: int
+    max_scores: int = 0
+
+    def takes(self, metadata: AttentionMetadata) -> bool:
+        return metadata.max_query_len <= self.max_queries or longest_row_scores(metadata) <= self.max_scores
+
+
+def longest_row_scores(metadata: AttentionMetadata) -> int:
+    """The most query-key pairs that one row of the step scores: ``q`` new tokens over ``s`` keys
+    score ``q * (s - q)`` cached pairs and, causally, ``q * (q + 1) / 2`` among themselves."""
+    query_lens, seq_lens = metadata.host_lens()
+    own = (lambda q: q * (q + 1) // 2) if metadata.causal else (lambda q: q * q)
+    return max(q * (s - q) + own(q) for q, s in zip(query_lens, seq_lens, strict=True))
+
+
+def in_place_policy_for(flags: frozenset[str], shares_keys: bool, dtype: torch.dtype) -> InPlacePolicy:
+    """The steps that attend in place on a CPU with these flags, for kernels that verify in place;
+    ``shares_keys``: they score each key once for all of a sequence's queries (AVX-512 builds)."""
+    if not shares_keys:
+        return InPlacePolicy(BATCHED_MAX_QUERIES)
+    if "amx_bf16" in flags and dtype == torch.bfloat16:
+        return InPlacePolicy(BATCHED_MAX_QUERIES, AMX_BF16_IN_PLACE_MAX_SCORES)
+    return InPlacePolicy(sys.maxsize)
 
 
 @functools.cache
-def in_place_limit() -> int:
-    """The most queries per sequence that attend in place in this process: the rule above for the
-    loaded kernels' build on this CPU (a build for another instruction set, ``SONAR_CPU_KERNELS_ARCH``,
-    gets its own path's limit), 1 where the kernels attend only decode steps in place."""
+def in_place_policy(dtype: torch.dtype) -> InPlacePolicy:
+    """The steps that attend in place in this process: the rule above for the loaded kernels' build
+    on this CPU (a build for another instruction set, ``SONAR_CPU_KERNELS_ARCH``, gets its own
+    path's), decode steps only where the kernels attend nothing else in place."""
     if not cpu_kernels.attention_verifies_in_place():
-        return 1
-    return in_place_max_queries(cpu_flags(), cpu_kernels.attention_shares_keys())
+        return InPlacePolicy(1)
+    return in_place_policy_for(cpu_flags(), cpu_kernels.attention_shares_keys(), dtype)
 
 
-def attends_in_place(metadata: AttentionMetadata) -> bool:
-    """Whether a step's attention runs on the in-place kernel (see above)."""
-    return metadata.max_query_len <= in_place_limit()
+def attends_in_place(metadata: AttentionMetadata, dtype: torch.dtype) -> bool:
+    """Whether a step's attention in ``dtype`` runs on the in-place kernel (see above)."""
+    return in_place_policy(dtype).takes(metadata)
 
 
 @dataclass
@@ -410,7 +443,7 @@ class PagedAttention(nn.Module):
         kv_heads, head_dim, n_rep = self.num_kv_heads, self.head_dim, self.n_rep
         window = self.sliding_window
 
-        kernels = cpu_kernels.for_tensor(q) if attends_in_place(metadata) else None
+        kernels = cpu_kernels.for_tensor(q) if attends_in_place(metadata, q.dtype) else None
         if kernels is not None and q.stride(-1) == 1 and k_cache.dtype == q.dtype:
             return self.attend_in_place(kernels, q, kv_cache, metadata)
 

@@ -279,7 +279,7 @@ def run_with_attention_input(
     modules). ``cos``/``signed_sin``: ``[T, 1, rotary_dim]``."""
     if not plan.stackable or not attention_input.is_contiguous() or attention_input.dtype != hidden.dtype:
         return None
-    if not attends_in_place(metadata):
+    if not attends_in_place(metadata, hidden.dtype):
         return None
     ops = _kernels_for(hidden)
     args = None if ops is None else plan.kernel_args(hidden, kv_cache)
@@ -306,7 +306,7 @@ def run_layers(
     if ops is not None:
         flat_cos, flat_sin = _flat_tables(cos, signed_sin)
     # The stack kernel attends in place; a step with longer rows runs its layers one by one.
-    stacks = attends_in_place(metadata)
+    stacks = attends_in_place(metadata, hidden.dtype)
     stack: list[StackEntries] = []
     captured: list[tuple[int, int]] = []  # the run's states to record: (layers into the run, state)
     for index, layer in enumerate(layers):

@@ -17,10 +17,13 @@ from sonar_core.cpu_features import cpu_flags
 from sonar_core.kv import KVLayerSpec, allocate_kv_cache
 from sonar_core.layers import attention as attention_layers
 from sonar_core.layers.attention import (
+    AMX_BF16_IN_PLACE_MAX_SCORES,
     AttentionMetadata,
+    InPlacePolicy,
     PagedAttention,
     attends_in_place,
-    in_place_max_queries,
+    in_place_policy_for,
+    longest_row_scores,
 )
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
@@ -188,27 +191,59 @@ def test_decode_rows_match_the_gathering_path_for_any_heads_per_group(dtype, hea
 
 
 def test_layers_attend_in_place_for_decode_and_short_verification_steps(pin_in_place_limit):
-    pin_in_place_limit(8)  # the limit of CPUs with AMX and of AVX2 builds
+    pin_in_place_limit(8)  # the query limit of AVX2 builds
     decode = AttentionMetadata.build([1, 1], [40, 900], [list(range(10)), list(range(10, 235))], 4, torch.device("cpu"))
     verify = AttentionMetadata.build([4], [40], [list(range(10))], 4, torch.device("cpu"))
     prefill = AttentionMetadata.build([9], [40], [list(range(10))], 4, torch.device("cpu"))
-    assert attends_in_place(decode) and not attends_in_place(prefill)
-    assert attends_in_place(verify) == bool(ops.attention_verifies_in_place())
+    assert attends_in_place(decode, torch.float32) and not attends_in_place(prefill, torch.float32)
+    assert attends_in_place(verify, torch.float32) == bool(ops.attention_verifies_in_place())
     pin_in_place_limit(sys.maxsize)  # AVX-512 builds without AMX
-    assert attends_in_place(prefill) == bool(ops.attention_verifies_in_place())
+    assert attends_in_place(prefill, torch.float32) == bool(ops.attention_verifies_in_place())
+
+
+AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AMX = AVX512 | {"amx_bf16"}
+
+
+def _rows(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    tables = [list(range(-(-s // 16))) for s in seq_lens]
+    return AttentionMetadata.build(query_lens, seq_lens, tables, 16, torch.device("cpu"))
 
 
 def test_cpus_without_amx_attend_every_step_in_place():
-    """AMX makes the gathered path win past eight queries; kernels that share keys (AVX-512 builds)
-    on a CPU without it stay in place at every row length, prompts included (docs/performance.md);
-    AVX2 builds keep eight (not measured past it on long contexts), also when built for AVX2 on an
-    AVX-512 CPU. This process's limit follows the loaded build."""
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"}), shares_keys=True) == sys.maxsize
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}), shares_keys=True) == 8
-    assert in_place_max_queries(frozenset({"avx2", "fma"}), shares_keys=False) == 8
-    assert in_place_max_queries(frozenset({"avx2", "avx512f", "avx512_bf16"}), shares_keys=False) == 8
-    own = in_place_max_queries(cpu_flags(), cpu_kernels.attention_shares_keys())
-    assert attention_layers.in_place_limit() == (own if cpu_kernels.attention_verifies_in_place() else 1)
+    """Kernels that share keys (AVX-512 builds) on a CPU without AMX stay in place at every row
+    length, prompts included, and so does float32 with AMX (its SDPA has no tiles there); AVX2
+    builds keep eight queries (not measured past it on long contexts), also when built for AVX2 on
+    an AVX-512 CPU (docs/performance.md)."""
+    unlimited = InPlacePolicy(sys.maxsize)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert in_place_policy_for(AVX512, shares_keys=True, dtype=dtype) == unlimited
+        assert in_place_policy_for(frozenset({"avx2", "fma"}), shares_keys=False, dtype=dtype) == InPlacePolicy(8)
+        assert in_place_policy_for(AMX, shares_keys=False, dtype=dtype) == InPlacePolicy(8)
+    assert in_place_policy_for(AMX, shares_keys=True, dtype=torch.float32) == unlimited
+    assert in_place_policy_for(AMX, shares_keys=True, dtype=torch.float16) == unlimited
+
+
+def test_bfloat16_with_amx_gathers_rows_of_many_queries_over_many_keys():
+    """With AMX, SDPA's bfloat16 tiles win for a row of many queries over a long context; short
+    prompts, a batch of short prompts and a few tokens over a long cache still attend in place."""
+    policy = in_place_policy_for(AMX, shares_keys=True, dtype=torch.bfloat16)
+    assert policy.max_queries == 8
+    assert policy.takes(_rows([1, 1], [4000, 9000])) and policy.takes(_rows([8], [8008]))
+    assert policy.takes(_rows([220], [220])) and policy.takes(_rows([40] * 16, [40] * 16))
+    assert policy.takes(_rows([16], [1040])) and policy.takes(_rows([48, 1], [560, 3000]))
+    assert not policy.takes(_rows([400], [400])) and not policy.takes(_rows([64], [576]))
+    assert not policy.takes(_rows([128], [1152]))
+    # 9 queries over 3,644 keys score 9 * 3,635 + 45 = 32,760 pairs, over 3,645 keys 32,769.
+    assert longest_row_scores(_rows([9, 1], [3644, 3645])) == AMX_BF16_IN_PLACE_MAX_SCORES - 8
+    assert policy.takes(_rows([9], [3644])) and not policy.takes(_rows([9], [3645]))
+
+
+def test_this_process_attends_in_place_as_its_build_and_cpu_say():
+    for dtype in (torch.float32, torch.bfloat16):
+        own = in_place_policy_for(cpu_flags(), cpu_kernels.attention_shares_keys(), dtype)
+        expected = own if cpu_kernels.attention_verifies_in_place() else InPlacePolicy(1)
+        assert attention_layers.in_place_policy(dtype) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

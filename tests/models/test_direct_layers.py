@@ -37,10 +37,10 @@ def _steps(vocab: int) -> list[dict[str, list[int]]]:
 
 
 def _in_place(new: dict[str, list[int]]) -> bool:
-    """Whether a step's attention runs in place (so its layers may run as one stack kernel call):
-    decodes always, up to ``attention.in_place_limit()`` queries per sequence (AVX-512 and AVX2
-    builds verify in place)."""
-    return max(len(tokens) for tokens in new.values()) <= attention.in_place_limit()
+    """Whether a step's attention runs in place (so its layers may run as one stack kernel call)
+    under a pinned query limit (``pin_in_place_limit``): decodes always, up to that many queries
+    per sequence where the kernels verify in place."""
+    return max(len(tokens) for tokens in new.values()) <= attention.in_place_policy(torch.float32).max_queries
 
 
 class _Counts:
@@ -99,7 +99,7 @@ def _run(model, paged_runner, steps, monkeypatch, direct: bool, capture_layers=(
     ],
 )
 def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, paged_runner, monkeypatch, pin_in_place_limit):
-    # The limit of CPUs with AMX and of AVX2 builds, so that the steps mix both kinds on every CPU.
+    # The query limit of AVX2 builds, so that the steps mix both kinds on every CPU.
     pin_in_place_limit(8)
     model = load_model(checkpoints.get(arch, num_layers=3, **extra), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
@@ -122,9 +122,12 @@ def test_direct_layers_give_the_modules_bits(arch, extra, dtype, checkpoints, pa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_capture_keeps_the_stack_whole_and_records_the_modules_states(dtype, checkpoints, paged_runner, monkeypatch):
+def test_a_capture_keeps_the_stack_whole_and_records_the_modules_states(
+    dtype, checkpoints, paged_runner, monkeypatch, pin_in_place_limit
+):
     """EAGLE-3 reads states after chosen layers (here the embedding, the first, third and last
     layer's): the kernel copies them out as it goes, one call for all four layers."""
+    pin_in_place_limit(8)
     model = load_model(checkpoints.get("llama", num_layers=4), dtype, "cpu").model
     steps = _steps(model.shared_modules().vocab_size)
     capture = (0, 1, 3, 4)
@@ -144,7 +147,7 @@ def test_a_step_with_rows_too_long_to_attend_in_place_runs_the_layers_one_by_one
 ):
     """A 20-token prompt and a row verifying more drafts than attend in place: direct layers, no
     stack kernel call."""
-    pin_in_place_limit(8)  # the limit of CPUs with AMX and of AVX2 builds
+    pin_in_place_limit(8)  # the query limit of AVX2 builds
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
     steps = [{"a": list(range(20))}, {"a": list(range(20, 32))}]
     direct, _, calls = _run(model, paged_runner, steps, monkeypatch, direct=True)
