@@ -61,10 +61,11 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 # 129.6 / 163.6 / 490.6 against 20.5 / 48.7 / 87.0 / 121.8 / 167.8 / 616.1; over a cached context
 # of 512, 16 / 48 / 64 new tokens 24.7 / 38.7 / 41.9 against 20.2 / 36.2 / 44.9; over 2,048, 16 /
 # 24 new tokens 40.1 / 46.3 against 37.8 / 51.0; 16 prompts of 40 tokens in one step 284.6
-# against 242.0. The row's causal scores (:func:`longest_row_scores`) separate the two: in place
-# wins up to about 33k of them (1.06-1.28x), gathered from about 35k (1.07-1.5x), so bfloat16 with
-# AMX attends in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32 the same Xeon's SDPA has no
-# tiles and in place won everywhere measured (1.01-1.15x, up to 1,024-token prompts).
+# against 242.0. The longest row's causal scores (:meth:`AttentionMetadata.longest_row_scores`)
+# separate the two: in place wins up to about 33k of them (1.06-1.28x), gathered from about 35k
+# (1.07-1.5x), so bfloat16 with AMX attends in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32
+# the same Xeon's SDPA has no tiles and in place won everywhere measured (1.01-1.15x, up to
+# 1,024-token prompts).
 #
 # A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
 # splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
@@ -82,15 +83,7 @@ class InPlacePolicy:
     max_scores: int = 0
 
     def takes(self, metadata: AttentionMetadata) -> bool:
-        return metadata.max_query_len <= self.max_queries or longest_row_scores(metadata) <= self.max_scores
-
-
-def longest_row_scores(metadata: AttentionMetadata) -> int:
-    """The most query-key pairs that one row of the step scores: ``q`` new tokens over ``s`` keys
-    score ``q * (s - q)`` cached pairs and, causally, ``q * (q + 1) / 2`` among themselves."""
-    query_lens, seq_lens = metadata.host_lens()
-    own = (lambda q: q * (q + 1) // 2) if metadata.causal else (lambda q: q * q)
-    return max(q * (s - q) + own(q) for q, s in zip(query_lens, seq_lens, strict=True))
+        return metadata.max_query_len <= self.max_queries or metadata.longest_row_scores() <= self.max_scores
 
 
 def in_place_policy_for(flags: frozenset[str], shares_keys: bool, dtype: torch.dtype) -> InPlacePolicy:
@@ -160,6 +153,7 @@ class AttentionMetadata:
     # The host lists the derived fields came from, (query_lens, seq_lens); see host_lens().
     _host_lens: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False)
     _split: StepSplit | None = field(default=None, init=False, repr=False)
+    _longest_row_scores: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_seqs == 0:  # constructed directly, not through build()
@@ -234,6 +228,7 @@ class AttentionMetadata:
         self._window_masks = {}
         self._host_lens = (list(query_lens), list(seq_lens))
         self._split = None
+        self._longest_row_scores = None
 
         uniform_queries = all(q == max_query_len for q in query_lens)
         if uniform_queries:
@@ -280,6 +275,15 @@ class AttentionMetadata:
             starts = self.query_start_loc.tolist()
             self._host_lens = ([b - a for a, b in zip(starts[:-1], starts[1:], strict=True)], self.seq_lens.tolist())
         return self._host_lens
+
+    def longest_row_scores(self) -> int:
+        """The most query-key pairs that one row of the step scores: ``q`` new tokens over ``s`` keys
+        score ``q * (s - q)`` cached pairs and, causally, ``q * (q + 1) / 2`` among themselves;
+        worked out once per step, on the first layer that asks (:class:`InPlacePolicy`)."""
+        if self._longest_row_scores is None:
+            own = (lambda q: q * (q + 1) // 2) if self.causal else (lambda q: q * q)
+            self._longest_row_scores = max(q * (s - q) + own(q) for q, s in zip(*self.host_lens(), strict=True))
+        return self._longest_row_scores
 
     def split(self) -> StepSplit:
         """The step's rows for a step with a row of more than :data:`BATCHED_MAX_QUERIES`

@@ -23,7 +23,6 @@ from sonar_core.layers.attention import (
     PagedAttention,
     attends_in_place,
     in_place_policy_for,
-    longest_row_scores,
 )
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
@@ -235,7 +234,7 @@ def test_bfloat16_with_amx_gathers_rows_of_many_queries_over_many_keys():
     assert not policy.takes(_rows([400], [400])) and not policy.takes(_rows([64], [576]))
     assert not policy.takes(_rows([128], [1152]))
     # 9 queries over 3,644 keys score 9 * 3,635 + 45 = 32,760 pairs, over 3,645 keys 32,769.
-    assert longest_row_scores(_rows([9, 1], [3644, 3645])) == AMX_BF16_IN_PLACE_MAX_SCORES - 8
+    assert _rows([9, 1], [3644, 3645]).longest_row_scores() == AMX_BF16_IN_PLACE_MAX_SCORES - 8
     assert policy.takes(_rows([9], [3644])) and not policy.takes(_rows([9], [3645]))
 
 
