@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from sonar_core.kv import KVCache
 
-# Queries per SDPA call of a long row with cached context (:meth:`LongRow.query_chunks`).
-CHUNK_QUERIES = 128
+# Queries per SDPA call of a long row with cached context (:meth:`LongRow.query_spans`).
+SPAN_QUERIES = 128
 
 
 @dataclass
@@ -49,25 +49,28 @@ class LongRow:
             self._masks[key] = self._build_mask(window if window_cuts else None, dtype)
         return self._masks[key], False
 
-    def query_chunks(self) -> list[tuple[int, int]]:
-        """``(start, end)`` spans of the row's queries that attend as one SDPA call each, over the
-        keys up to their last query only (causal rows: later keys are masked for them). A masked
-        row scores every key for every query, so the
-        upper triangle of its new tokens is wasted work: a third of it for 363 new tokens over 144
-        cached. Where the new tokens outnumber the cached ones, spans of CHUNK_QUERIES cut most of
-        that waste; where the cache is longer the extra calls cost more than they save. Measured
-        on the embedded model's shape (9 query heads over 3 KV heads of 64, bfloat16, 2 threads,
-        ms a layer, one call against spans of 128): 144 cached + 363 new 1.42 -> 0.98, 144 + 313
-        1.31 -> 0.79, 208 + 237 0.91 -> 0.71; 1,024 + 128 0.69 -> 0.72 and 1,024 + 512 3.23 ->
-        3.44 (kept whole)."""
-        cached = self.seq_len - self.query_len
-        if not self.causal or self.query_len <= CHUNK_QUERIES or self.query_len <= cached:
+    @property
+    def cached_len(self) -> int:
+        """Positions of the row's context cached before this step."""
+        return self.seq_len - self.query_len
+
+    def query_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` spans of a masked row's queries that attend as one SDPA call each, over
+        the keys up to their last query only (causal rows: later keys are masked for them). A masked
+        row scores every key for every query, so the upper triangle of its new tokens is wasted
+        work: a third of it for 363 new tokens over 144 cached. Where the new tokens outnumber the
+        cached ones, spans of SPAN_QUERIES cut most of that waste; where the cache is longer the
+        extra calls cost more than they save. Measured on the embedded model's shape (9 query heads
+        over 3 KV heads of 64, bfloat16, 2 threads, ms a layer, one call against spans of 128):
+        144 cached + 363 new 1.42 -> 0.98, 144 + 313 1.31 -> 0.79, 208 + 237 0.91 -> 0.71; 1,024 +
+        128 0.69 -> 0.72 and 1,024 + 512 3.23 -> 3.44 (kept whole)."""
+        if not self.causal or self.query_len <= SPAN_QUERIES or self.query_len <= self.cached_len:
             return [(0, self.query_len)]
-        return [(start, min(start + CHUNK_QUERIES, self.query_len)) for start in range(0, self.query_len, CHUNK_QUERIES)]
+        return [(start, min(start + SPAN_QUERIES, self.query_len)) for start in range(0, self.query_len, SPAN_QUERIES)]
 
     def _build_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         device = self.block_ids.device
-        query_pos = torch.arange(self.seq_len - self.query_len, self.seq_len, device=device)[:, None]
+        query_pos = torch.arange(self.cached_len, self.seq_len, device=device)[:, None]
         key_pos = torch.arange(self.seq_len, device=device)[None, :]
         allowed = torch.ones(self.query_len, self.seq_len, dtype=torch.bool, device=device)
         if self.causal:
@@ -91,18 +94,20 @@ def attend_long_row(
     mask, is_causal = row.mask(window, q.dtype)
     queries, keys, values = q.transpose(0, 1)[None], context(k_cache), context(v_cache)
     gqa = q.shape[1] != kv_heads
-    chunks = row.query_chunks() if mask is not None else [(0, row.query_len)]
-    outs = [
-        F.scaled_dot_product_attention(
+    # SDPA's causal flag (a fresh prompt, no mask) aligns the triangle at the first key: only a
+    # masked row may be cut into spans.
+    spans = row.query_spans() if mask is not None else [(0, row.query_len)]
+    outs = []
+    for start, end in spans:
+        keys_end = row.cached_len + end
+        outs.append(F.scaled_dot_product_attention(
             queries[:, :, start:end],
-            keys[:, :, : row.seq_len - row.query_len + end],
-            values[:, :, : row.seq_len - row.query_len + end],
-            attn_mask=None if mask is None else mask[start:end, : row.seq_len - row.query_len + end],
+            keys[:, :, :keys_end],
+            values[:, :, :keys_end],
+            attn_mask=None if mask is None else mask[start:end, :keys_end],
             is_causal=is_causal,
             scale=scale,
             enable_gqa=gqa,
-        )
-        for start, end in chunks
-    ]
+        ))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out[0].transpose(0, 1).reshape(row.query_len, -1)

@@ -107,7 +107,7 @@ SHAPES = [
     pytest.param([13, 0, 30, 6, 2], [1, 20, 18, 3, 1], id="split-decodes-prompt-chunk"),
     pytest.param([0, 5], [24, 17], id="split-long-only"),
     pytest.param([37, 1], [70, 1], id="long-chunk-after-context"),
-    # More new tokens than cached ones, past CHUNK_QUERIES: the gathered path attends them in
+    # More new tokens than cached ones, past SPAN_QUERIES: the gathered path attends them in
     # spans of queries, each over the keys up to its last query.
     pytest.param([40, 1], [200, 1], id="long-row-in-query-spans"),
 ]
