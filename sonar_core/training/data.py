@@ -106,8 +106,12 @@ def held_out_prompts(
     ``generated_spare`` (those it wrote beyond the training ones, :meth:`SelfDistillationData.spare`)."""
     seen = {prompt.text for prompt in training_prompts(spec)}
     total = spec.num_prompts + spec.conversation_prompts + spec.generated_prompts
-    conversation = round(count * spec.conversation_prompts / total) if total else 0
-    generated = min(round(count * spec.generated_prompts / total) if total else 0, len(generated_spare))
+
+    def share(prompts: int) -> int:  # of ``count``, as ``prompts`` are of the training data
+        return round(count * prompts / total) if total else 0
+
+    conversation = share(spec.conversation_prompts)
+    generated = min(share(spec.generated_prompts), len(generated_spare))
     seed = spec.seed + 1_000_003
     fresh = [p for p in build_prompts(2 * count + 8, seed) if p.text not in seen][: count - conversation - generated]
     if conversation:

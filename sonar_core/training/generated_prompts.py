@@ -124,9 +124,9 @@ class GeneratedPrompts:
                     f"{MIN_WORDS} words or more): it does not seem to be tuned for chat",
                     "ask for fewer --generated-prompts, or use the built-in prompt sets of a target that is not",
                 )
-            seeds = range(attempt, attempt + BATCH)
+            attempts = range(attempt, attempt + BATCH)
             kept = []
-            for number, (text, finished) in zip(seeds, sample([self._seed(k) for k in seeds]), strict=True):
+            for number, (text, finished) in zip(attempts, sample([self._seed(k) for k in attempts]), strict=True):
                 text = text.strip()
                 if finished and len(text.split()) >= MIN_WORDS and text not in seen:
                     seen.add(text)
