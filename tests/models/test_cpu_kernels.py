@@ -169,6 +169,34 @@ def test_paged_attention_matches_the_gathering_path(dtype, window, causal, head_
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window-5"])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rows_of_several_queries_score_whole_blocks_of_keys_and_ignore_the_slots_past_them(
+    dtype, head_dim, block, window
+):
+    """Blocks of a multiple of 16 slots let bfloat16 rows score 16 keys at a time on AMX tiles,
+    straight from the cache: contexts over many such tiles, ending inside one, windows starting
+    inside one, and NaN in every slot past a sequence's last key, which no row may pick up."""
+    q, cache, metadata = _scenario(dtype, [0, 37, 100, 61], [6, 3, 12, 1], heads=6, head_dim=head_dim,
+                                   block=block, seed=5)
+    attention = PagedAttention(6, 2, head_dim, sliding_window=window)
+    with torch.inference_mode():
+        with cpu_kernels.disabled():
+            expected = attention.attend(q, cache, metadata)
+        for table, length in zip(metadata.block_tables.tolist(), metadata.seq_lens.tolist(), strict=True):
+            last = table[(length - 1) // block]
+            for layer_cache in cache:
+                layer_cache[last, (length - 1) % block + 1 :] = float("nan")
+        got = ops.paged_attention(
+            q, *cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            attention.scale, True, window or 0,
+        )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (16, 2), (28, 4)], ids=["one-per-group", "8-per-group", "7-per-group"])
@@ -245,13 +273,14 @@ def test_this_process_attends_in_place_as_its_build_and_cpu_say():
         assert attention_layers.in_place_policy(dtype) == expected
 
 
+@pytest.mark.parametrize("block", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_each_row_gets_the_same_bits_whatever_else_the_step_holds(dtype):
+def test_each_row_gets_the_same_bits_whatever_else_the_step_holds(dtype, block):
     """A sequence verifying drafts gets the same attention for a token whatever else the step holds
     (other sequences, decode tokens, fewer drafts of its own), and a decode token the same as when
     decoded alone; verifying a token agrees with decoding it up to float rounding (the two take
     different loops: several queries share each key)."""
-    q, cache, metadata = _scenario(dtype, [9, 30, 12], [4, 3, 1])
+    q, cache, metadata = _scenario(dtype, [9, 30, 12], [4, 3, 1], block=block)
 
     def attend(rows, seqs, seq_lens, query_lens):
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])

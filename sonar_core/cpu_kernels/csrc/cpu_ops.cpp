@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "convert.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -145,7 +146,7 @@ struct CacheRows {
 // across lanes, and the value sums take one vector of dimensions for all the item's lanes per pass,
 // in registers. Every lane's arithmetic is its own (masked keys add exact zeros), so a row gets the
 // same bits from any step that verifies several tokens of its sequence, whatever the rest of the
-// step holds. Prompts take this kernel too on AVX-512 CPUs without AMX (attention.py).
+// step holds. Prompts take this kernel too, as far as attention.py's in_place_policy says.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 
@@ -192,13 +193,152 @@ __attribute__((always_inline)) inline void lane_value_sums(CacheRows<T> value_ro
   }
 }
 
+// Key p's scores of the item's lanes, scaled, -inf for the lanes that do not see it, into its row.
+inline void store_key_scores(__m512 raw, int64_t p, int64_t lo, __m512i first_v, __m512i last_v, __m512 scale_v,
+                             float* scores) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(p));
+  const __mmask16 visible = _mm512_cmple_epi32_mask(first_v, key) & _mm512_cmple_epi32_mask(key, last_v);
+  _mm512_storeu_ps(scores + (p - lo) * kLanes, _mm512_mask_mul_ps(minus_inf, visible, raw, scale_v));
+}
+
+// The item's masked, scaled scores of keys lo..hi, scores[(key - lo) * kLanes + lane], from the
+// query transposed in qt (float32 [kDim][kLanes], or bfloat16 pairs [kDim / 2][kLanes] in its first
+// half where the CPU has AVX512-BF16).
+template <typename T, int kVecs>
+void vector_lane_scores(const float* qt, const T* k_ptr, const int64_t* table, int64_t block_size,
+                        int64_t kv_slot_stride, int64_t kv_offset, int64_t lo, int64_t hi, __m512i first_v,
+                        __m512i last_v, __m512 scale_v, float* scores) {
+  constexpr int64_t kDim = kVecs * 16;
+  constexpr int kKeys = 8;  // keys scored together
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const uint32_t* const query_pairs = reinterpret_cast<const uint32_t*>(qt);
+  CacheRows<T> key_rows(k_ptr, table, block_size, kv_slot_stride, kv_offset, lo);
+  alignas(64) float keys[kKeys][kDim] = {};
+  for (int64_t p0 = lo; p0 <= hi; p0 += kKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - p0 + 1));
+    __m512 acc[kKeys];
+    for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      // The keys' rows copied side by side first (all their cache lines asked for at once), then
+      // broadcast a pair at a time from there.
+      alignas(64) uint32_t pairs[kKeys][kDim / 2];
+      for (int j = 0; j < n; ++j) {
+        const T* krow = key_rows.next();
+        for (int64_t d = 0; d < kDim; d += 32) _mm512_store_si512(pairs[j] + d / 2, _mm512_loadu_si512(krow + d));
+      }
+      for (int j = n; j < kKeys; ++j) std::memset(pairs[j], 0, sizeof(pairs[j]));  // scores unused
+      for (int64_t d = 0; d < kDim / 2; ++d) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(query_pairs + d * kLanes);
+        for (int j = 0; j < kKeys; ++j) {
+          acc[j] = _mm512_dpbf16_ps(acc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j][d])));
+        }
+      }
+    }
+#endif
+    if constexpr (!kPairs) {
+      for (int j = 0; j < n; ++j) {
+        const T* krow = key_rows.next();
+        for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(keys[j] + d, load16(krow + d));
+      }
+      for (int64_t d = 0; d < kDim; ++d) {
+        const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
+        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j][d]), qd, acc[j]);
+      }
+    }
+    for (int j = 0; j < n; ++j) store_key_scores(acc[j], p0 + j, lo, first_v, last_v, scale_v, scores);
+  }
+}
+
+#if defined(SONAR_AMX)
+// vector_lane_scores by AMX tiles, for bfloat16 caches with blocks of a multiple of 16 slots: 16
+// keys of a block straight from the cache are an A tile (one tile per 32 dimensions, the cache's
+// slot stride as its row stride), the query pairs of up to 16 lanes are the B tiles (the layout
+// qt already has: [pair][lane][2]), and one multiply-add of the tiles scores the 16 keys against
+// all the lanes, in the [key][lane] layout of the scores. The vector loop pays one multiply-add
+// per pair of dimensions and eight keys; this, one per 32 dimensions and 16 keys. Every lane's sum
+// is its own, as there. Tile registers are not renamed, so the loop keeps two tiles of keys in
+// flight (accumulators 0 and 6, keys 1 and 7; the query in 2-5) and masks and scales one pair of
+// tiles' scores while the next pair is multiplied. The calling thread has configured its tiles
+// (sonar::configure_tiles).
+constexpr int64_t kTileKeys = 16;
+
+// Scores of the 16 keys at `keys` (row stride key_bytes) against the query tiles, into out[key][lane],
+// with accumulator tile ACC and key tile KEYS (the tile intrinsics take the numbers as literals).
+#define SONAR_AMX_SCORE_TILE(NAME, ACC, KEYS)                                          \
+  template <int kDimTiles>                                                             \
+  inline void NAME(const c10::BFloat16* keys, int64_t key_bytes, float* out) {         \
+    _tile_zero(ACC);                                                                   \
+    _tile_loadd(KEYS, keys, key_bytes);                                                \
+    _tile_dpbf16ps(ACC, KEYS, 2);                                                      \
+    if constexpr (kDimTiles > 1) {                                                     \
+      _tile_loadd(KEYS, keys + 32, key_bytes);                                         \
+      _tile_dpbf16ps(ACC, KEYS, 3);                                                    \
+    }                                                                                  \
+    if constexpr (kDimTiles > 2) {                                                     \
+      _tile_loadd(KEYS, keys + 64, key_bytes);                                         \
+      _tile_dpbf16ps(ACC, KEYS, 4);                                                    \
+      _tile_loadd(KEYS, keys + 96, key_bytes);                                         \
+      _tile_dpbf16ps(ACC, KEYS, 5);                                                    \
+    }                                                                                  \
+    _tile_stored(ACC, out, kLanes * int64_t{sizeof(float)});                           \
+  }
+SONAR_AMX_SCORE_TILE(amx_score_tile_a, 0, 1)
+SONAR_AMX_SCORE_TILE(amx_score_tile_b, 6, 7)
+#undef SONAR_AMX_SCORE_TILE
+
+template <int kVecs>
+void amx_lane_scores(const uint32_t* query_pairs, const c10::BFloat16* k_ptr, const int64_t* table,
+                     int64_t block_size, int64_t kv_slot_stride, int64_t kv_offset, int64_t lo, int64_t hi,
+                     __m512i first_v, __m512i last_v, __m512 scale_v, float* scores) {
+  constexpr int kDimTiles = kVecs * 16 / 32;  // 32 dimensions (64 bytes) per tile row
+  static_assert(kDimTiles >= 1 && kDimTiles <= 4);
+  constexpr int64_t kPairRows = 16, kStepKeys = 2 * kTileKeys;
+  const int64_t key_bytes = kv_slot_stride * int64_t{sizeof(c10::BFloat16)};
+  _tile_loadd(2, query_pairs, 64);
+  if constexpr (kDimTiles > 1) _tile_loadd(3, query_pairs + kPairRows * kLanes, 64);
+  if constexpr (kDimTiles > 2) {
+    _tile_loadd(4, query_pairs + 2 * kPairRows * kLanes, 64);
+    _tile_loadd(5, query_pairs + 3 * kPairRows * kLanes, 64);
+  }
+  const auto keys_at = [&](int64_t first) {
+    return k_ptr + (table[first / block_size] * block_size + first % block_size) * kv_slot_stride + kv_offset;
+  };
+  // Two tiles of keys from `first` (the second only where it holds keys up to hi) into buffer.
+  alignas(64) float tile_scores[2][kStepKeys * kLanes];
+  const auto score_step = [&](int64_t first, float* buffer) {
+    amx_score_tile_a<kDimTiles>(keys_at(first), key_bytes, buffer);
+    if (first + kTileKeys <= hi) {
+      amx_score_tile_b<kDimTiles>(keys_at(first + kTileKeys), key_bytes, buffer + kTileKeys * kLanes);
+    }
+  };
+  const int64_t start = lo / kTileKeys * kTileKeys;
+  score_step(start, tile_scores[0]);
+  for (int64_t first = start, step = 0; first <= hi; first += kStepKeys, ++step) {
+    if (first + kStepKeys <= hi) score_step(first + kStepKeys, tile_scores[(step + 1) & 1]);
+    // Keys of the tiles before lo or past hi (slots past the sequence's last key hold anything)
+    // are scored too, but their rows are never read.
+    const float* step_scores = tile_scores[step & 1];
+    const int64_t from = std::max(first, lo), to = std::min(first + kStepKeys - 1, hi);
+    for (int64_t p = from; p <= to; ++p) {
+      store_key_scores(_mm512_load_ps(step_scores + (p - first) * kLanes), p, lo, first_v, last_v, scale_v, scores);
+    }
+  }
+}
+#endif
+
 template <typename T, int kVecs>
 void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride, int64_t q_head_stride, const T* k_ptr,
                   const T* v_ptr, const int64_t* tables, int64_t table_width, const int64_t* lens,
                   const int64_t* starts, int64_t block_size, int64_t kv_slot_stride, int64_t n_rep, int64_t num_heads,
-                  bool causal, int64_t window, float scale, float* scores, float* qt, T* out_ptr) {
+                  bool causal, int64_t window, float scale, bool amx_tiles, float* scores, float* qt,
+                  T* out_ptr) {
   constexpr int64_t kDim = kVecs * 16;
-  constexpr int kKeys = 8;                                    // keys scored together
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
 #else
@@ -243,47 +383,21 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
   const __m512i first_v = _mm512_load_si512(first_key), last_v = _mm512_load_si512(last_key);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  CacheRows<T> key_rows(k_ptr, table, block_size, kv_slot_stride, kv_offset, lo);
-
   // Scores of keys lo..hi against every lane.
-  alignas(64) float keys[kKeys][kDim] = {};
-  for (int64_t p0 = lo; p0 <= hi; p0 += kKeys) {
-    const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - p0 + 1));
-    __m512 acc[kKeys];
-    for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    if constexpr (kPairs) {
-      // The keys' rows copied side by side first (all their cache lines asked for at once), then
-      // broadcast a pair at a time from there.
-      alignas(64) uint32_t pairs[kKeys][kDim / 2];
-      for (int j = 0; j < n; ++j) {
-        const T* krow = key_rows.next();
-        for (int64_t d = 0; d < kDim; d += 32) _mm512_store_si512(pairs[j] + d / 2, _mm512_loadu_si512(krow + d));
-      }
-      for (int j = n; j < kKeys; ++j) std::memset(pairs[j], 0, sizeof(pairs[j]));  // scores unused
-      for (int64_t d = 0; d < kDim / 2; ++d) {
-        const __m512bh qd = (__m512bh)_mm512_loadu_si512(query_pairs + d * kLanes);
-        for (int j = 0; j < kKeys; ++j) {
-          acc[j] = _mm512_dpbf16_ps(acc[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[j][d])));
-        }
-      }
+#if defined(SONAR_AMX)
+  if constexpr (kPairs) {
+    if (amx_tiles) {
+      amx_lane_scores<kVecs>(query_pairs, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v,
+                             last_v, scale_v, scores);
+    } else {
+      vector_lane_scores<T, kVecs>(qt, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v, last_v,
+                                   scale_v, scores);
     }
+  } else
 #endif
-    if constexpr (!kPairs) {
-      for (int j = 0; j < n; ++j) {
-        const T* krow = key_rows.next();
-        for (int64_t d = 0; d < kDim; d += 16) _mm512_store_ps(keys[j] + d, load16(krow + d));
-      }
-      for (int64_t d = 0; d < kDim; ++d) {
-        const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
-        for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[j][d]), qd, acc[j]);
-      }
-    }
-    for (int j = 0; j < n; ++j) {
-      const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(p0 + j));
-      const __mmask16 visible = _mm512_cmple_epi32_mask(first_v, p) & _mm512_cmple_epi32_mask(p, last_v);
-      _mm512_storeu_ps(scores + (p0 + j - lo) * kLanes, _mm512_mask_mul_ps(minus_inf, visible, acc[j], scale_v));
-    }
+  {
+    vector_lane_scores<T, kVecs>(qt, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v, last_v,
+                                 scale_v, scores);
   }
 
   // Softmax weights per lane.
@@ -717,7 +831,18 @@ void paged_attention_kernel(
   const int64_t grain = longest * head_dim * n_rep >= 4096 ? 1 : std::max<int64_t>(items, 1);
   const float fscale = static_cast<float>(scale);
 
+#if defined(SONAR_AMX)
+  // The lanes' scores by AMX tiles (amx_lane_scores) where the cache's blocks hold whole tiles of keys.
+  const bool amx_tiles = std::is_same_v<T, c10::BFloat16> && num_lane_items > 0 &&
+                         block_size % 16 == 0 && sonar::amx_permitted();
+#else
+  constexpr bool amx_tiles = false;
+#endif
+
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+#if defined(SONAR_AMX)
+    if (amx_tiles) sonar::configure_tiles();
+#endif
     std::vector<float> query(n_rep * head_dim), row(head_dim), sums(kHeadDim > 0 ? 0 : head_dim);
     std::vector<float> scores(n_rep * longest);
 #if defined(__AVX512F__)
@@ -733,8 +858,8 @@ void paged_attention_kernel(
         if (index < num_lane_items) {
           attend_lanes<T, (kLanesBuilt ? kHeadDim : 16) / 16>(
               lane_items[index], q_ptr, q_token_stride, q_head_stride, k_ptr, v_ptr, tables, table_width, lens,
-              starts, block_size, kv_slot_stride, n_rep, num_heads, causal, window, fscale, lane_scores.data(),
-              lane_queries.data(), out_ptr);
+              starts, block_size, kv_slot_stride, n_rep, num_heads, causal, window, fscale, amx_tiles,
+              lane_scores.data(), lane_queries.data(), out_ptr);
           continue;
         }
       }
@@ -807,6 +932,9 @@ void paged_attention_kernel(
         for (int64_t d = 0; d < head_dim; ++d) orow[d] = from_f32<T>(a[d] * inv);
       }
     }
+#if defined(SONAR_AMX)
+    if (amx_tiles) _tile_release();
+#endif
   });
 }
 

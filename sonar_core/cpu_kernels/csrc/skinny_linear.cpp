@@ -19,15 +19,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "convert.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -528,36 +524,10 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
 // Rows are padded to a multiple of 16 in a scratch copy, so one tile configuration serves every
 // call. The packed layout is the vector path's: 16 pairs of inputs of one block are one B tile.
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SONAR_AMX)
 constexpr int64_t kAmxRows = 16, kAmxInputs = 32, kAmxBlocks = 4, kAmxMinRows = 5;
 
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: accumulators of four blocks; 4: 16 rows of x; 5, 6: weights, alternately.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
 // acc[r][j * 16 + l] for the 16 rows at x (row stride x_bytes) and kBlocks blocks at w.
 template <int kBlocks>
 inline void amx_tile(const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t block_stride, int64_t input_tiles,
@@ -609,7 +579,7 @@ inline void amx_edge_tile(int blocks, const uint16_t* x, int64_t x_bytes, const 
 
 bool amx_takes(const at::Tensor& x) {
   return x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows && x.size(1) % kAmxInputs == 0 &&
-         amx_permitted();
+         sonar::amx_permitted();
 }
 
 template <typename O>
@@ -635,7 +605,7 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor*
   const int64_t input_tiles = inputs / kAmxInputs, x_bytes = inputs * 2;
   const int64_t grain = rows * outputs * inputs < (int64_t{1} << 16) ? blocks : kAmxBlocks;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    sonar::configure_tiles();
     alignas(64) float acc[kAmxRows * kAmxBlocks * kBlock];
     for (int64_t b0 = begin; b0 < end; b0 += kAmxBlocks) {
       const int nb = static_cast<int>(std::min<int64_t>(kAmxBlocks, end - b0));
@@ -741,8 +711,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 // The code path a dtype's calls take on this machine (for benchmarks and tests).
 std::string skinny_linear_path(at::ScalarType dtype) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (dtype == at::kBFloat16 && amx_permitted()) return "amx";
+#if defined(SONAR_AMX)
+  if (dtype == at::kBFloat16 && sonar::amx_permitted()) return "amx";
 #endif
   return dtype == at::kBFloat16 || std::string(kPath) != "avx512_bf16" ? kPath : "avx512";
 }
