@@ -55,23 +55,23 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 # Sonar's kernels"). AVX2 builds keep eight: their query-by-query path was not measured past it.
 #
 # With AMX, SDPA multiplies bfloat16 on tiles, and a row of many queries over many keys is faster
-# gathered; short rows are still faster in place. On a Xeon with AMX (SmolLM2, 2 threads, a whole
-# step, gathered past eight queries against in place, median ms; docs/performance.md, "Prompts in
-# place on AMX"): whole prompts of 32 / 128 / 220 / 300 / 400 / 1,024 tokens 25.3 / 53.7 / 94.6 /
-# 129.6 / 163.6 / 490.6 against 20.5 / 48.7 / 87.0 / 121.8 / 167.8 / 616.1; over a cached context
-# of 512, 16 / 48 / 64 new tokens 24.7 / 38.7 / 41.9 against 20.2 / 36.2 / 44.9; over 2,048, 16 /
-# 24 new tokens 40.1 / 46.3 against 37.8 / 51.0; 16 prompts of 40 tokens in one step 284.6
-# against 242.0. The longest row's causal scores (:meth:`AttentionMetadata.longest_row_scores`)
-# separate the two: in place wins up to about 33k of them (1.06-1.28x), gathered from about 35k
-# (1.07-1.5x), so bfloat16 with AMX attends in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32
-# the same Xeon's SDPA has no tiles and in place won everywhere measured (1.01-1.15x, up to
-# 1,024-token prompts).
+# gathered; shorter rows are faster in place, where the kernel scores keys on AMX tiles too. On a
+# Xeon with AMX (SmolLM2, 2 threads, a whole step, gathered past eight queries against in place,
+# median ms; docs/performance.md, "Scores on AMX tiles"), cached + new tokens: 1 + 400 172.0
+# against 162.6, 1 + 448 194.7 / 189.3, 1 + 512 228.9 / 220.9, 208 + 237 119.6 / 108.1, 512 + 64
+# 42.2 / 40.6, 2,048 + 24 49.2 / 41.6, 2,048 + 40 63.5 / 56.9; gathered ahead at 1 + 640 333.8 /
+# 346.1, 1 + 1,024 526.8 / 551.9, 1,024 + 128 80.2 / 89.1, 2,048 + 64 64.5 / 75.5, and level
+# between (144 + 363 172.7 / 172.8, 1,024 + 64 49.9 / 51.7, 512 + 160 77.1 / 81.3). The longest
+# row's causal scores (:meth:`AttentionMetadata.longest_row_scores`) separate the two well enough:
+# in place wins up to about 100k of them, gathered from about 130k, so bfloat16 with AMX attends
+# in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32 the same Xeon's SDPA has no tiles and in
+# place won everywhere measured (1.01-1.15x, up to 1,024-token prompts).
 #
 # A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
 # splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
 # batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
 BATCHED_MAX_QUERIES = 8
-AMX_BF16_IN_PLACE_MAX_SCORES = 32_768
+AMX_BF16_IN_PLACE_MAX_SCORES = 98_304
 
 
 @dataclass(frozen=True)

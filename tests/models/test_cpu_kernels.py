@@ -258,12 +258,13 @@ def test_bfloat16_with_amx_gathers_rows_of_many_queries_over_many_keys():
     assert policy.max_queries == 8
     assert policy.takes(_rows([1, 1], [4000, 9000])) and policy.takes(_rows([8], [8008]))
     assert policy.takes(_rows([220], [220])) and policy.takes(_rows([40] * 16, [40] * 16))
+    assert policy.takes(_rows([400], [400])) and policy.takes(_rows([237], [445]))
     assert policy.takes(_rows([16], [1040])) and policy.takes(_rows([48, 1], [560, 3000]))
-    assert not policy.takes(_rows([400], [400])) and not policy.takes(_rows([64], [576]))
-    assert not policy.takes(_rows([128], [1152]))
-    # 9 queries over 3,644 keys score 9 * 3,635 + 45 = 32,760 pairs, over 3,645 keys 32,769.
-    assert _rows([9, 1], [3644, 3645]).longest_row_scores() == AMX_BF16_IN_PLACE_MAX_SCORES - 8
-    assert policy.takes(_rows([9], [3644])) and not policy.takes(_rows([9], [3645]))
+    assert not policy.takes(_rows([640], [640])) and not policy.takes(_rows([128], [1152]))
+    assert not policy.takes(_rows([64], [2112])) and not policy.takes(_rows([363], [507]))
+    # 9 queries over 10,924 keys score 9 * 10,915 + 45 = 98,280 pairs, over 10,927 keys 98,307.
+    assert _rows([9, 1], [10924, 10927]).longest_row_scores() == AMX_BF16_IN_PLACE_MAX_SCORES - 24
+    assert policy.takes(_rows([9], [10924])) and not policy.takes(_rows([9], [10927]))
 
 
 def test_this_process_attends_in_place_as_its_build_and_cpu_say():
