@@ -113,6 +113,14 @@ def attention_shares_keys() -> bool:
     return ops is not None and bool(ops.attention_shares_keys())
 
 
+@functools.cache
+def attention_tile_keys() -> int:
+    """Keys per AMX tile by which the loaded kernels score and sum bfloat16 rows of several queries,
+    in steps whose cache blocks hold whole tiles of keys (0: no tiles in this build or process)."""
+    ops = load()
+    return int(ops.attention_tile_keys()) if ops is not None else 0
+
+
 def problem() -> str | None:
     """Why the kernels are not in use (None when they are, or were never asked for)."""
     return _State.problem

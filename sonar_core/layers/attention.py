@@ -54,45 +54,55 @@ from sonar_core.layers.long_rows import LongRow, attend_long_row
 # at 32-2,048 tokens (float32 3-9%), 1.58x at 8,000 (docs/performance.md, "First tokens on
 # Sonar's kernels"). AVX2 builds keep eight: their query-by-query path was not measured past it.
 #
-# With AMX, SDPA multiplies bfloat16 on tiles, and a row of many queries over many keys is faster
-# gathered; shorter rows are faster in place, where the kernel scores keys on AMX tiles too. On a
-# Xeon with AMX (SmolLM2, 2 threads, a whole step, gathered past eight queries against in place,
-# median ms; docs/performance.md, "Scores on AMX tiles"), cached + new tokens: 1 + 400 172.0
-# against 162.6, 1 + 448 194.7 / 189.3, 1 + 512 228.9 / 220.9, 208 + 237 119.6 / 108.1, 512 + 64
-# 42.2 / 40.6, 2,048 + 24 49.2 / 41.6, 2,048 + 40 63.5 / 56.9; gathered ahead at 1 + 640 333.8 /
-# 346.1, 1 + 1,024 526.8 / 551.9, 1,024 + 128 80.2 / 89.1, 2,048 + 64 64.5 / 75.5, and level
-# between (144 + 363 172.7 / 172.8, 1,024 + 64 49.9 / 51.7, 512 + 160 77.1 / 81.3). The longest
-# row's causal scores (:meth:`AttentionMetadata.longest_row_scores`) separate the two well enough:
-# in place wins up to about 100k of them, gathered from about 130k, so bfloat16 with AMX attends
-# in place up to AMX_BF16_IN_PLACE_MAX_SCORES. In float32 the same Xeon's SDPA has no tiles and in
-# place won everywhere measured (1.01-1.15x, up to 1,024-token prompts).
+# With AMX, SDPA multiplies bfloat16 on tiles, and so does Sonar's kernel where the cache's blocks
+# hold whole tiles of keys (:func:`sonar_core.cpu_kernels.attention_tile_keys`: 16; the default
+# block size is 16): it scores 16 keys against up to 16 query rows, and sums 32 keys' values of
+# them, per tile multiply-add. Then every step attends in place. On a Xeon with AMX (SmolLM2, 2
+# threads, a whole step, gathered past eight queries against in place, median ms;
+# docs/performance.md, "Attention on AMX tiles"), cached + new tokens: 1 + 400 174.4 against
+# 153.2, 144 + 363 166.8 / 147.9, 512 + 160 76.1 / 68.7, 2,048 + 64 61.9 / 58.5, 1 + 2,048
+# 1,077.7 / 1,062.8, level at 1 + 640, 1 + 1,024 and 1,024 + 128; gathered ahead only for chunks
+# of hundreds of tokens over a long cache: 1,024 + 512 292.9 / 302.2, 2,048 + 256 181.2 / 194.6.
+# With blocks of other sizes the kernel scores keys with vector instructions, and a row of many
+# queries over many keys is faster gathered: the longest row's causal scores
+# (:meth:`AttentionMetadata.longest_row_scores`) separated the two, in place winning up to about
+# 33k of them and gathered from about 35k, so such steps attend in place up to
+# AMX_BF16_IN_PLACE_MAX_SCORES. In float32 the same Xeon's SDPA has no tiles and in place won
+# everywhere measured (1.01-1.15x, up to 1,024-token prompts).
 #
 # A step that does not attend in place and has a row of more than BATCHED_MAX_QUERIES queries
 # splits (:meth:`AttentionMetadata.split`): rows of up to that many queries attend as one padded
 # batch, each longer one alone (:mod:`sonar_core.layers.long_rows`).
 BATCHED_MAX_QUERIES = 8
-AMX_BF16_IN_PLACE_MAX_SCORES = 98_304
+AMX_BF16_IN_PLACE_MAX_SCORES = 32_768
 
 
 @dataclass(frozen=True)
 class InPlacePolicy:
-    """Which steps attend in place: those whose rows have at most ``max_queries`` queries each, and
-    longer ones while their longest row scores at most ``max_scores`` query-key pairs."""
+    """Which steps attend in place: every step whose cache blocks hold whole tiles of ``tile_keys``
+    keys (when set); else those whose rows have at most ``max_queries`` queries each, and longer
+    ones while their longest row scores at most ``max_scores`` query-key pairs."""
 
     max_queries: int
     max_scores: int = 0
+    tile_keys: int = 0
 
     def takes(self, metadata: AttentionMetadata) -> bool:
+        if self.tile_keys and metadata.block_size % self.tile_keys == 0:
+            return True
         return metadata.max_query_len <= self.max_queries or metadata.longest_row_scores() <= self.max_scores
 
 
-def in_place_policy_for(flags: frozenset[str], shares_keys: bool, dtype: torch.dtype) -> InPlacePolicy:
+def in_place_policy_for(
+    flags: frozenset[str], shares_keys: bool, dtype: torch.dtype, tile_keys: int = 0
+) -> InPlacePolicy:
     """The steps that attend in place on a CPU with these flags, for kernels that verify in place;
-    ``shares_keys``: they score each key once for all of a sequence's queries (AVX-512 builds)."""
+    ``shares_keys``: they score each key once for all of a sequence's queries (AVX-512 builds);
+    ``tile_keys``: they score bfloat16 keys on AMX tiles of that many (0: not)."""
     if not shares_keys:
         return InPlacePolicy(BATCHED_MAX_QUERIES)
     if "amx_bf16" in flags and dtype == torch.bfloat16:
-        return InPlacePolicy(BATCHED_MAX_QUERIES, AMX_BF16_IN_PLACE_MAX_SCORES)
+        return InPlacePolicy(BATCHED_MAX_QUERIES, AMX_BF16_IN_PLACE_MAX_SCORES, tile_keys)
     return InPlacePolicy(sys.maxsize)
 
 
@@ -103,7 +113,9 @@ def in_place_policy(dtype: torch.dtype) -> InPlacePolicy:
     path's), decode steps only where the kernels attend nothing else in place."""
     if not cpu_kernels.attention_verifies_in_place():
         return InPlacePolicy(1)
-    return in_place_policy_for(cpu_flags(), cpu_kernels.attention_shares_keys(), dtype)
+    return in_place_policy_for(
+        cpu_flags(), cpu_kernels.attention_shares_keys(), dtype, cpu_kernels.attention_tile_keys()
+    )
 
 
 def attends_in_place(metadata: AttentionMetadata, dtype: torch.dtype) -> bool:

@@ -232,9 +232,9 @@ AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AMX = AVX512 | {"amx_bf16"}
 
 
-def _rows(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-    tables = [list(range(-(-s // 16))) for s in seq_lens]
-    return AttentionMetadata.build(query_lens, seq_lens, tables, 16, torch.device("cpu"))
+def _rows(query_lens: list[int], seq_lens: list[int], block: int = 16) -> AttentionMetadata:
+    tables = [list(range(-(-s // block))) for s in seq_lens]
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block, torch.device("cpu"))
 
 
 def test_cpus_without_amx_attend_every_step_in_place():
@@ -251,25 +251,39 @@ def test_cpus_without_amx_attend_every_step_in_place():
     assert in_place_policy_for(AMX, shares_keys=True, dtype=torch.float16) == unlimited
 
 
-def test_bfloat16_with_amx_gathers_rows_of_many_queries_over_many_keys():
-    """With AMX, SDPA's bfloat16 tiles win for a row of many queries over a long context; short
-    prompts, a batch of short prompts and a few tokens over a long cache still attend in place."""
+def test_bfloat16_with_amx_tiles_attends_in_place_where_blocks_hold_whole_tiles():
+    """Kernels that score bfloat16 keys on AMX tiles win at every row length where the cache's
+    blocks hold whole tiles of keys; with other blocks (vector scores) SDPA's tiles win for a row
+    of many queries over a long context, and short rows still attend in place."""
+    policy = in_place_policy_for(AMX, shares_keys=True, dtype=torch.bfloat16, tile_keys=16)
+    for block in (16, 32):
+        assert policy.takes(_rows([2048], [2048], block)) and policy.takes(_rows([363, 1], [507, 90], block))
+    assert not policy.takes(_rows([2048], [2048], 8)) and policy.takes(_rows([9], [40], 8))
+    assert in_place_policy_for(AMX, shares_keys=True, dtype=torch.float32, tile_keys=16) == InPlacePolicy(sys.maxsize)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_bfloat16_with_amx_but_no_tiles_gathers_rows_of_many_queries_over_many_keys(block):
+    """Kernels without AMX tiles (a build for another instruction set): SDPA's bfloat16 tiles win for
+    a row of many queries over a long context; short prompts, a batch of short prompts and a few
+    tokens over a long cache still attend in place."""
     policy = in_place_policy_for(AMX, shares_keys=True, dtype=torch.bfloat16)
-    assert policy.max_queries == 8
-    assert policy.takes(_rows([1, 1], [4000, 9000])) and policy.takes(_rows([8], [8008]))
-    assert policy.takes(_rows([220], [220])) and policy.takes(_rows([40] * 16, [40] * 16))
-    assert policy.takes(_rows([400], [400])) and policy.takes(_rows([237], [445]))
-    assert policy.takes(_rows([16], [1040])) and policy.takes(_rows([48, 1], [560, 3000]))
-    assert not policy.takes(_rows([640], [640])) and not policy.takes(_rows([128], [1152]))
-    assert not policy.takes(_rows([64], [2112])) and not policy.takes(_rows([363], [507]))
-    # 9 queries over 10,924 keys score 9 * 10,915 + 45 = 98,280 pairs, over 10,927 keys 98,307.
-    assert _rows([9, 1], [10924, 10927]).longest_row_scores() == AMX_BF16_IN_PLACE_MAX_SCORES - 24
-    assert policy.takes(_rows([9], [10924])) and not policy.takes(_rows([9], [10927]))
+    assert policy.max_queries == 8 and policy.tile_keys == 0
+    assert policy.takes(_rows([1, 1], [4000, 9000], block)) and policy.takes(_rows([8], [8008], block))
+    assert policy.takes(_rows([220], [220], block)) and policy.takes(_rows([40] * 16, [40] * 16, block))
+    assert policy.takes(_rows([16], [1040], block)) and policy.takes(_rows([48, 1], [560, 3000], block))
+    assert not policy.takes(_rows([400], [400], block)) and not policy.takes(_rows([64], [576], block))
+    assert not policy.takes(_rows([128], [1152], block))
+    # 9 queries over 3,644 keys score 9 * 3,635 + 45 = 32,760 pairs, over 3,645 keys 32,769.
+    assert _rows([9, 1], [3644, 3645], block).longest_row_scores() == AMX_BF16_IN_PLACE_MAX_SCORES - 8
+    assert policy.takes(_rows([9], [3644], block)) and not policy.takes(_rows([9], [3645], block))
 
 
 def test_this_process_attends_in_place_as_its_build_and_cpu_say():
+    tile_keys = cpu_kernels.attention_tile_keys()
+    assert tile_keys in (0, 16)
     for dtype in (torch.float32, torch.bfloat16):
-        own = in_place_policy_for(cpu_flags(), cpu_kernels.attention_shares_keys(), dtype)
+        own = in_place_policy_for(cpu_flags(), cpu_kernels.attention_shares_keys(), dtype, tile_keys)
         expected = own if cpu_kernels.attention_verifies_in_place() else InPlacePolicy(1)
         assert attention_layers.in_place_policy(dtype) == expected
 

@@ -144,9 +144,10 @@ struct CacheRows {
 // CPU with AVX512-BF16: the query's pairs of dimensions side by side, [head_dim / 2][16][2], each
 // scored against a key's pair by one dot instruction, half the instructions). The softmax runs
 // across lanes, and the value sums take one vector of dimensions for all the item's lanes per pass,
-// in registers. Every lane's arithmetic is its own (masked keys add exact zeros), so a row gets the
-// same bits from any step that verifies several tokens of its sequence, whatever the rest of the
-// step holds. Prompts take this kernel too, as far as attention.py's in_place_policy says.
+// in registers (bfloat16 with AMX: scores and value sums on tiles, amx_lane_scores and
+// amx_lane_value_sums). Every lane's arithmetic is its own (masked keys add exact zeros), so a row
+// gets the same bits from any step that verifies several tokens of its sequence, whatever the rest
+// of the step holds. Prompts take this kernel too, as far as attention.py's in_place_policy says.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 
@@ -330,6 +331,140 @@ void amx_lane_scores(const uint32_t* query_pairs, const c10::BFloat16* k_ptr, co
     }
   }
 }
+
+// Sixteen rows of 16 floats transposed in place: rows[i][j] becomes rows[j][i] (unpacks within
+// 128-bit lanes, then 128-bit lanes shuffled across rows).
+inline void transpose16x16(__m512 rows[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  // u[4 i + c]: rows 4i..4i+3 of columns c, c + 4, c + 8, c + 12, one per 128-bit lane.
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 low_01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+    const __m512 low_23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 high_01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
+    const __m512 high_23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+    rows[c] = _mm512_shuffle_f32x4(low_01, low_23, 0x88);
+    rows[c + 4] = _mm512_shuffle_f32x4(low_01, low_23, 0xdd);
+    rows[c + 8] = _mm512_shuffle_f32x4(high_01, high_23, 0x88);
+    rows[c + 12] = _mm512_shuffle_f32x4(high_01, high_23, 0xdd);
+  }
+}
+
+// The value sums of an item's lanes on AMX tiles, for bfloat16: per 32 keys, the lanes' softmax
+// weights as bfloat16 [lane][key] are A tiles (the float32 [key][lane] weights transposed), the
+// keys' value rows interleaved in pairs of keys, 16 dimensions a tile, the B tiles, and tiles 0-3
+// sum 64 dimensions of all the lanes (tiles 4 and 7 the weights, 5 and 6 the values). The vector
+// loop pays a multiply-add per key, lane and 16 dimensions; this, two per 32 keys, 16 lanes and
+// 16 dimensions, plus the transposes and interleaves. Each weight goes in as two bfloat16 parts,
+// its rounding and the rounding of the rest (tiles 4 and 7), so the sums keep the float32
+// weights' precision as the vector loop does: with the weights rounded once (as PyTorch's SDPA
+// does for bfloat16), n-gram's greedy outputs on code editing matched plain decoding's in 0 of 8
+// requests; with the two parts in 3 of 8 (4 of 8 with the vector loop). Each lane's sums are
+// still its own. weights: [count][kLanes];
+// weights_t: room for the transposed weights of ceil(count / 32) steps; sums: [kLanes][kDim].
+template <int kVecs>
+void amx_lane_value_sums(const float* weights, int64_t count, const c10::BFloat16* v_ptr, const int64_t* table,
+                         int64_t block_size, int64_t kv_slot_stride, int64_t kv_offset, int64_t lo,
+                         uint16_t* weights_t, float* sums) {
+  constexpr int64_t kDim = kVecs * 16, kStepKeys = 32, kTileDims = 16;
+  constexpr int kGroupTiles = kVecs < 4 ? kVecs : 4;  // accumulator tiles per pass: 64 dimensions
+  const int64_t steps = (count + kStepKeys - 1) / kStepKeys;
+  for (int64_t step = 0; step < steps; ++step) {
+    __m512 halves[2][kLanes];
+    for (int half = 0; half < 2; ++half) {
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t key = step * kStepKeys + half * kLanes + i;
+        halves[half][i] = key < count ? _mm512_loadu_ps(weights + key * kLanes) : _mm512_setzero_ps();
+      }
+      transpose16x16(halves[half]);
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      uint16_t* const high = weights_t + (step * 2 * kLanes + l) * kStepKeys;
+      uint16_t* const low = high + kLanes * kStepKeys;
+      for (int half = 0; half < 2; ++half) {
+        const __m256bh rounded = _mm512_cvtneps_pbh(halves[half][l]);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+        const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(halves[half][l], back));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + half * kLanes), (__m256i)rounded);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + half * kLanes), (__m256i)rest);
+      }
+    }
+  }
+  // Element 2n of a value tile's row: dimension n of the pair's first key; 2n + 1: of its second.
+  alignas(64) static constexpr int16_t kInterleaveLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,
+                                                              37, 6, 38, 7, 39, 8,  40, 9,  41, 10, 42,
+                                                              11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kInterleaveHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                               53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                               27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i interleave_low = _mm512_load_si512(kInterleaveLow);
+  const __m512i interleave_high = _mm512_load_si512(kInterleaveHigh);
+  alignas(64) uint16_t value_tiles[kGroupTiles][kLanes * 32];  // 16 pairs of keys x 16 dimensions x 2
+  for (int64_t group = 0; group < kDim; group += kGroupTiles * kTileDims) {
+    CacheRows<c10::BFloat16> value_rows(v_ptr, table, block_size, kv_slot_stride, kv_offset + group, lo);
+    _tile_zero(0);
+    if constexpr (kGroupTiles > 1) _tile_zero(1);
+    if constexpr (kGroupTiles > 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t step = 0; step < steps; ++step) {
+      for (int64_t pair = 0; pair < kStepKeys / 2; ++pair) {
+        const int64_t key = step * kStepKeys + 2 * pair;
+        // Keys past the last one weigh zero; their values must be zeros too (0 x NaN is NaN).
+        const c10::BFloat16* first = key < count ? value_rows.next() : nullptr;
+        const c10::BFloat16* second = key + 1 < count ? value_rows.next() : nullptr;
+        for (int64_t half = 0; half < kGroupTiles * kTileDims; half += 32) {
+          const __m512i a = first ? _mm512_loadu_si512(first + half) : _mm512_setzero_si512();
+          const __m512i b = second ? _mm512_loadu_si512(second + half) : _mm512_setzero_si512();
+          const int tile = static_cast<int>(half / kTileDims);
+          _mm512_store_si512(value_tiles[tile] + pair * 32, _mm512_permutex2var_epi16(a, interleave_low, b));
+          if (tile + 1 < kGroupTiles) {
+            _mm512_store_si512(value_tiles[tile + 1] + pair * 32, _mm512_permutex2var_epi16(a, interleave_high, b));
+          }
+        }
+      }
+      const uint16_t* const step_weights = weights_t + step * 2 * kLanes * kStepKeys;
+      _tile_loadd(4, step_weights, 64);
+      _tile_loadd(7, step_weights + kLanes * kStepKeys, 64);
+      _tile_loadd(5, value_tiles[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(0, 7, 5);
+      if constexpr (kGroupTiles > 1) {
+        _tile_loadd(6, value_tiles[1], 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(1, 7, 6);
+      }
+      if constexpr (kGroupTiles > 2) {
+        _tile_loadd(5, value_tiles[2], 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(2, 7, 5);
+        _tile_loadd(6, value_tiles[3], 64);
+        _tile_dpbf16ps(3, 4, 6);
+        _tile_dpbf16ps(3, 7, 6);
+      }
+    }
+    constexpr int64_t sum_bytes = kDim * int64_t{sizeof(float)};
+    _tile_stored(0, sums + group, sum_bytes);
+    if constexpr (kGroupTiles > 1) _tile_stored(1, sums + group + kTileDims, sum_bytes);
+    if constexpr (kGroupTiles > 2) {
+      _tile_stored(2, sums + group + 2 * kTileDims, sum_bytes);
+      _tile_stored(3, sums + group + 3 * kTileDims, sum_bytes);
+    }
+  }
+}
 #endif
 
 template <typename T, int kVecs>
@@ -337,7 +472,7 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
                   const T* v_ptr, const int64_t* tables, int64_t table_width, const int64_t* lens,
                   const int64_t* starts, int64_t block_size, int64_t kv_slot_stride, int64_t n_rep, int64_t num_heads,
                   bool causal, int64_t window, float scale, bool amx_tiles, float* scores, float* qt,
-                  T* out_ptr) {
+                  uint16_t* weights_t, T* out_ptr) {
   constexpr int64_t kDim = kVecs * 16;
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
@@ -426,6 +561,19 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
     out_rows[l] = out_ptr + (starts[b] + j) * num_heads * kDim + (h0 + r) * kDim;
     inverse[l] = 1.f / total[l];
   }
+#if defined(SONAR_AMX)
+  if constexpr (kPairs) {
+    if (amx_tiles) {
+      alignas(64) float sums[kLanes * kDim];
+      amx_lane_value_sums<kVecs>(scores, count, v_ptr, table, block_size, kv_slot_stride, kv_offset, lo, weights_t,
+                                 sums);
+      for (int l = 0; l < item.lanes; ++l) {
+        for (int64_t d = 0; d < kDim; ++d) out_rows[l][d] = from_f32<T>(sums[l * kDim + d] * inverse[l]);
+      }
+      return;
+    }
+  }
+#endif
   for (int c = 0; c < kVecs; ++c) {
     __m512 acc[kLanes];
     CacheRows<T> value_rows(v_ptr, table, block_size, kv_slot_stride, kv_offset + c * 16, lo);
@@ -832,9 +980,10 @@ void paged_attention_kernel(
   const float fscale = static_cast<float>(scale);
 
 #if defined(SONAR_AMX)
-  // The lanes' scores by AMX tiles (amx_lane_scores) where the cache's blocks hold whole tiles of keys.
+  // The lanes' scores and value sums by AMX tiles (amx_lane_scores, amx_lane_value_sums) where the
+  // cache's blocks hold whole tiles of keys.
   const bool amx_tiles = std::is_same_v<T, c10::BFloat16> && num_lane_items > 0 &&
-                         block_size % 16 == 0 && sonar::amx_permitted();
+                         block_size % kTileKeys == 0 && sonar::amx_permitted();
 #else
   constexpr bool amx_tiles = false;
 #endif
@@ -848,6 +997,7 @@ void paged_attention_kernel(
 #if defined(__AVX512F__)
     std::vector<float> lane_scores(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
     std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
+    std::vector<uint16_t> lane_weights_t(amx_tiles ? (longest + 31) / 32 * 2 * kLanes * 32 : 0);
 #endif
 #if defined(SONAR_DECODE_BUILT)
     DecodeScratch decode_scratch(kDecodeBuilt ? n_rep : 0, head_dim);
@@ -859,7 +1009,7 @@ void paged_attention_kernel(
           attend_lanes<T, (kLanesBuilt ? kHeadDim : 16) / 16>(
               lane_items[index], q_ptr, q_token_stride, q_head_stride, k_ptr, v_ptr, tables, table_width, lens,
               starts, block_size, kv_slot_stride, n_rep, num_heads, causal, window, fscale, amx_tiles,
-              lane_scores.data(), lane_queries.data(), out_ptr);
+              lane_scores.data(), lane_queries.data(), lane_weights_t.data(), out_ptr);
           continue;
         }
       }
@@ -1274,11 +1424,23 @@ bool attention_shares_keys() {
 #endif
 }
 
+// Keys per AMX tile by which bfloat16 rows of several queries are scored and summed, in steps whose
+// cache blocks hold whole tiles of keys; 0 where this build or process has no tiles. Such steps
+// are faster in place at every row length measured (attention.py).
+int64_t attention_tile_keys() {
+#if defined(SONAR_AMX) && defined(__AVX512BF16__)
+  return sonar::amx_permitted() ? kTileKeys : 0;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sonar, m) {
   m.def("attention_verifies_in_place() -> bool", &attention_verifies_in_place);
   m.def("attention_shares_keys() -> bool", &attention_shares_keys);
+  m.def("attention_tile_keys() -> int", &attention_tile_keys);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, bool causal, int window) -> Tensor");
   m.def("store_kv_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
