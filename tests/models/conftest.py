@@ -153,9 +153,8 @@ def paged_runner() -> type[PagedRunner]:
 @pytest.fixture
 def pin_in_place_limit(monkeypatch: pytest.MonkeyPatch):
     """``pin(n)``: steps of up to ``n`` queries per sequence attend in place for the rest of the
-    test, whatever their length and dtype, where the loaded kernels verify in place (8: AVX2
-    builds, and longer rows gathered as bfloat16 with AMX does; ``sys.maxsize``: AVX-512 builds
-    elsewhere), decode steps only where they do not."""
+    test, whatever their length, dtype and block size, where the loaded kernels verify in place
+    (8: AVX2 builds; ``sys.maxsize``: AVX-512 builds), decode steps only where they do not."""
 
     def pin(limit: int) -> None:
         policy = attention.InPlacePolicy(limit if cpu_kernels.attention_verifies_in_place() else 1)

@@ -104,6 +104,16 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 // ---- attention over the paged cache ---------------------------------------------------------
 
+// Whether keys and queries of type T are multiplied as bfloat16 pairs by AVX512-BF16's dot
+// instruction (bfloat16 on a CPU that has it) rather than widened to float32.
+template <typename T>
+constexpr bool kBf16Pairs =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
 // Walks the rows of keys first, first + 1, ... of one KV head through the block table, one
 // division at the start instead of one per key.
 template <typename T>
@@ -212,11 +222,7 @@ void vector_lane_scores(const float* qt, const T* k_ptr, const int64_t* table, i
                         __m512i last_v, __m512 scale_v, float* scores) {
   constexpr int64_t kDim = kVecs * 16;
   constexpr int kKeys = 8;  // keys scored together
-#if defined(__AVX512BF16__)
-  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
+  constexpr bool kPairs = kBf16Pairs<T>;
   const uint32_t* const query_pairs = reinterpret_cast<const uint32_t*>(qt);
   CacheRows<T> key_rows(k_ptr, table, block_size, kv_slot_stride, kv_offset, lo);
   alignas(64) float keys[kKeys][kDim] = {};
@@ -474,11 +480,7 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
                   bool causal, int64_t window, float scale, bool amx_tiles, float* scores, float* qt,
                   uint16_t* weights_t, T* out_ptr) {
   constexpr int64_t kDim = kVecs * 16;
-#if defined(__AVX512BF16__)
-  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
+  constexpr bool kPairs = kBf16Pairs<T>;
   // The transposed query as bfloat16 pairs (kPairs), in the first half of qt.
   uint32_t* const query_pairs = reinterpret_cast<uint32_t*>(qt);
   const int64_t b = item.seq, g = item.group, h0 = g * n_rep;
@@ -748,11 +750,7 @@ void decode_scores(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
   constexpr int kLanes = Wide::kLanes;
   const int64_t count = item.last - item.first + 1;
   const Wide::V scale_v = Wide::set1(scale);
-#if defined(__AVX512BF16__)
-  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
+  constexpr bool kPairs = kBf16Pairs<T>;
   // The queries: bfloat16 pairs as they are, or float32.
   constexpr int kQueryVecs = kPairs ? kDim / 32 : kDim / kLanes;
   Wide::V* query = scratch.query.data();
