@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -29,6 +27,7 @@ from sonar_core.cpu_features import cpu_model, kernel_flags
 from sonar_core.layers import attention
 from sonar_core.models.loader import load_model
 from sonar_core.models.step_benchmark import CachedSteps
+from sonar_core.models.timing import alternated_medians_ms
 
 BLOCK_SIZE = 16
 GATHERED_PAST_EIGHT = attention.InPlacePolicy(attention.BATCHED_MAX_QUERIES, attention.AMX_BF16_IN_PLACE_MAX_SCORES)
@@ -53,19 +52,14 @@ def kernel_microseconds(
     lens, starts = torch.tensor([seq_len]), torch.tensor([0, queries])
     scale = head_dim**-0.5
 
-    def call() -> torch.Tensor:
-        return ops.paged_attention(q, k_cache, v_cache, table, lens, starts, scale, True, 0)
-
     calls_per_sample = 50
-    for _ in range(calls_per_sample):
-        call()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
+
+    def calls() -> None:
         for _ in range(calls_per_sample):
-            call()
-        samples.append((time.perf_counter() - start) / calls_per_sample)
-    return statistics.median(samples) * 1e6
+            ops.paged_attention(q, k_cache, v_cache, table, lens, starts, scale, True, 0)
+
+    (milliseconds,) = alternated_medians_ms([calls], iters)
+    return milliseconds * 1e3 / calls_per_sample
 
 
 @contextlib.contextmanager
@@ -79,16 +73,17 @@ def attending(policy: attention.InPlacePolicy) -> Iterator[None]:
         attention.in_place_policy = own
 
 
-def step_milliseconds(steps: CachedSteps, queries: int, iters: int) -> tuple[float, float]:
+def step_milliseconds(steps: CachedSteps, queries: int, iters: int) -> list[float]:
     """Medians of a whole step of ``queries`` new tokens: gathered past eight queries, in place."""
-    times: dict[attention.InPlacePolicy, list[float]] = {GATHERED_PAST_EIGHT: [], IN_PLACE: []}
-    for _ in range(iters):
-        for policy, samples in times.items():
+
+    def step_as(policy: attention.InPlacePolicy) -> Callable[[], None]:
+        def step() -> None:
             with attending(policy):
-                start = time.perf_counter()
                 steps.step(queries)
-                samples.append(time.perf_counter() - start)
-    return statistics.median(times[GATHERED_PAST_EIGHT]) * 1e3, statistics.median(times[IN_PLACE]) * 1e3
+
+        return step
+
+    return alternated_medians_ms([step_as(GATHERED_PAST_EIGHT), step_as(IN_PLACE)], iters)
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:

@@ -12,8 +12,6 @@ milliseconds per pass and the read bandwidth it reached, beside the machine's ow
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +21,7 @@ from sonar_core import cpu_kernels
 from sonar_core.cpu_features import cpu_model, kernel_flags
 from sonar_core.layers.linear import Linear, cpu_prepack_available, pack_skinny
 from sonar_core.models.loader import load_model
+from sonar_core.models.timing import alternated_medians_ms, timed
 
 
 def read_bandwidth(gib: float = 1.0, iters: int = 5) -> float:
@@ -30,13 +29,7 @@ def read_bandwidth(gib: float = 1.0, iters: int = 5) -> float:
     ``iters``)."""
     x = torch.ones(int(gib * (1 << 30)) // 4)
     x.sum()
-    return x.numel() * 4 / min(_timed(x.sum) for _ in range(iters))
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return x.numel() * 4 / min(timed(x.sum) for _ in range(iters))
 
 
 def _passes(layers: list[Linear], dtype: torch.dtype, rows: int) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -76,15 +69,7 @@ def compare(layers: list[Linear], dtype: torch.dtype, row_counts: list[int], ite
     results = []
     with torch.inference_mode():
         for rows in row_counts:
-            passes = _passes(layers, dtype, rows)
-            for _ in range(2):
-                for run in passes:
-                    run()
-            samples: list[list[float]] = [[], []]
-            for _ in range(iters):  # alternate, so that background load hits both alike
-                for times, run in zip(samples, passes, strict=True):
-                    times.append(_timed(run))
-            results.append((rows, *(statistics.median(times) * 1e3 for times in samples)))
+            results.append((rows, *alternated_medians_ms(_passes(layers, dtype, rows), iters, warmup=2)))
     return results
 
 

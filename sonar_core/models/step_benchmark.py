@@ -13,9 +13,6 @@ alternate step by step so that background load hits all alike; medians are repor
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -25,16 +22,7 @@ from sonar_core.kv import allocate_kv_cache
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.layers.direct_layers import through_modules
 from sonar_core.models.loader import load_model
-
-
-def _median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e3
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from sonar_core.models.timing import alternated_medians_ms
 
 
 class CachedSteps:
@@ -109,14 +97,7 @@ def compare(
                     return steps_of.step(q, ours_without_kernels)
 
             steps = (ours_step, ours_through_modules, ours_on_pytorch_ops, theirs_step)
-            for _ in range(3):
-                for step in steps:
-                    step()
-            times: list[list[float]] = [[] for _ in steps]
-            for _ in range(iters):
-                for samples, step in zip(times, steps, strict=True):
-                    samples.append(_timed(step))
-            results.append((q, *(_median_ms(samples) for samples in times)))
+            results.append((q, *alternated_medians_ms(steps, iters, warmup=3)))
     return results
 
 
