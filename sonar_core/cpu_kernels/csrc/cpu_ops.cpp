@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -96,6 +97,12 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x <= -87.3f ? 0.f : p * scale;
+}
+
+// n elements of working memory, uninitialised (std::vector zero-fills).
+template <typename T>
+std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -993,9 +1000,12 @@ void paged_attention_kernel(
     std::vector<float> query(n_rep * head_dim), row(head_dim), sums(kHeadDim > 0 ? 0 : head_dim);
     std::vector<float> scores(n_rep * longest);
 #if defined(__AVX512F__)
-    std::vector<float> lane_scores(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
-    std::vector<float> lane_queries(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
-    std::vector<uint16_t> lane_weights_t(amx_tiles ? (longest + 31) / 32 * 2 * kLanes * 32 : 0);
+    // Written before they are read, so left uninitialised: zero-filled per call, four and six
+    // queries over 1,200 cached tokens took 58.7-59.1 / 84.4-87.6 us a layer against 53.5-55.1 /
+    // 80.9-82.7 (SmolLM2's shape, bfloat16, Xeon with AMX, 2 threads, builds alternated).
+    const auto lane_scores = scratch<float>(kLanesBuilt && num_lane_items ? longest * kLanes : 0);
+    const auto lane_queries = scratch<float>(kLanesBuilt && num_lane_items ? head_dim * kLanes : 0);
+    const auto lane_weights_t = scratch<uint16_t>(amx_tiles ? (longest + 31) / 32 * 2 * kLanes * 32 : 0);
 #endif
 #if defined(SONAR_DECODE_BUILT)
     DecodeScratch decode_scratch(kDecodeBuilt ? n_rep : 0, head_dim);
@@ -1007,7 +1017,7 @@ void paged_attention_kernel(
           attend_lanes<T, (kLanesBuilt ? kHeadDim : 16) / 16>(
               lane_items[index], q_ptr, q_token_stride, q_head_stride, k_ptr, v_ptr, tables, table_width, lens,
               starts, block_size, kv_slot_stride, n_rep, num_heads, causal, window, fscale, amx_tiles,
-              lane_scores.data(), lane_queries.data(), lane_weights_t.data(), out_ptr);
+              lane_scores.get(), lane_queries.get(), lane_weights_t.get(), out_ptr);
           continue;
         }
       }
