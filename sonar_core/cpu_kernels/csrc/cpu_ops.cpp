@@ -230,7 +230,6 @@ void vector_lane_scores(const float* qt, const T* k_ptr, const int64_t* table, i
   constexpr int64_t kDim = kVecs * 16;
   constexpr int kKeys = 8;  // keys scored together
   constexpr bool kPairs = kBf16Pairs<T>;
-  const uint32_t* const query_pairs = reinterpret_cast<const uint32_t*>(qt);
   CacheRows<T> key_rows(k_ptr, table, block_size, kv_slot_stride, kv_offset, lo);
   alignas(64) float keys[kKeys][kDim] = {};
   for (int64_t p0 = lo; p0 <= hi; p0 += kKeys) {
@@ -241,6 +240,7 @@ void vector_lane_scores(const float* qt, const T* k_ptr, const int64_t* table, i
     if constexpr (kPairs) {
       // The keys' rows copied side by side first (all their cache lines asked for at once), then
       // broadcast a pair at a time from there.
+      const uint32_t* const query_pairs = reinterpret_cast<const uint32_t*>(qt);
       alignas(64) uint32_t pairs[kKeys][kDim / 2];
       for (int j = 0; j < n; ++j) {
         const T* krow = key_rows.next();
@@ -989,7 +989,7 @@ void paged_attention_kernel(
   // cache's blocks hold whole tiles of keys.
   const bool amx_tiles = std::is_same_v<T, c10::BFloat16> && num_lane_items > 0 &&
                          block_size % kTileKeys == 0 && sonar::amx_permitted();
-#else
+#elif defined(__AVX512F__)
   constexpr bool amx_tiles = false;
 #endif
 
