@@ -5,7 +5,7 @@ When another process keeps one of the engine's cores busy, the thread sharing th
 descheduled for a scheduler slice at a time, and every operator (about a thousand per decode
 step) waits for it at the barrier while its partner spins: throughput falls far more than in
 proportion to the core lost (a 5-8x collapse measured with one busy core of two). Fewer threads
-than cores avoid the barrier stalls, so the engine measures, every few seconds of work, how many
+than cores avoid the barrier stalls, so the engine measures, every half second of work, how many
 cores other processes used (the machine's busy CPU time from ``/proc/stat`` minus this process's)
 and runs on the rest: never more than the thread count it started with (``OMP_NUM_THREADS`` or
 ``torch.set_num_threads`` set by the user), never fewer than one. A change needs two readings in
@@ -27,8 +27,11 @@ from sonar_core.cpu_usage import busy_cpu_seconds
 
 logger = logging.getLogger("sonar.engine")
 
-# Seconds of engine work between two readings of the machine's load.
-INTERVAL_S = 2.0
+# Seconds of engine work between two readings of the machine's load. Short, because every step
+# taken on a stalled pool is slow (with 2 s, the first request after the load began ran at half
+# the speed of the rest); long enough for /proc/stat's 100 Hz ticks (0.5 s on two cores is 100
+# ticks, so a reading is good to a few hundredths of a core).
+INTERVAL_S = 0.5
 
 
 def own_cpu_seconds() -> float:
