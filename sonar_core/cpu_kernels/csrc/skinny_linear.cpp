@@ -527,23 +527,36 @@ void skinny_linear_kernel(const at::Tensor& x, const at::Tensor& packed, const a
 #if defined(SONAR_AMX)
 constexpr int64_t kAmxRows = 16, kAmxInputs = 32, kAmxBlocks = 4, kAmxMinRows = 5;
 
+constexpr int64_t kAmxTileWeights = kAmxInputs * kBlock;  // 16 pairs x 16 outputs x 2: one B tile
+
+// Prefetches one B tile (1 KiB, 16 lines).
+inline void prefetch_weight_tile(const uint16_t* tile) {
+  const auto* bytes = reinterpret_cast<const char*>(tile);
+  for (int64_t line = 0; line < kAmxTileWeights * int64_t{sizeof(uint16_t)}; line += 64) prefetch(bytes + line);
+}
+
 // Tiles 0-3: accumulators of four blocks; 4: 16 rows of x; 5, 6: weights, alternately.
 // acc[r][j * 16 + l] for the 16 rows at x (row stride x_bytes) and kBlocks blocks at w.
+// The look-ahead runs on into the next_blocks blocks at next (nullptr: none), which the caller
+// computes next: with 18 input tiles a block (SmolLM2's width of 576), the 4 tiles of each group
+// that its own look-ahead never covered were a fifth of all its weight loads. Measured on
+// SmolLM2's 121 projections (2-core Xeon with AMX, 2 threads, builds alternating, 4 rounds):
+// 5 / 6 / 8 rows 12.3-12.9 / 12.4-12.9 / 12.5-12.7 ms -> 11.5-12.0 / 11.5-12.1 / 11.6-11.9; the
+// next group's first tiles prefetched all at once before a group measured no better than none.
 template <int kBlocks>
 inline void amx_tile(const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t block_stride, int64_t input_tiles,
-                     float* acc) {
+                     float* acc, const uint16_t* next, int next_blocks) {
   _tile_zero(0);
   if constexpr (kBlocks > 1) _tile_zero(1);
   if constexpr (kBlocks > 2) _tile_zero(2);
   if constexpr (kBlocks > 3) _tile_zero(3);
-  constexpr int64_t tile_weights = kAmxInputs * kBlock;  // 16 pairs x 16 outputs x 2
   for (int64_t t = 0; t < input_tiles; ++t) {
-    const uint16_t* wt = w + t * tile_weights;
+    const uint16_t* wt = w + t * kAmxTileWeights;
     if (t + kPrefetchTiles < input_tiles) {
-      for (int j = 0; j < kBlocks; ++j) {
-        const auto* ahead = reinterpret_cast<const char*>(wt + kPrefetchTiles * tile_weights + j * block_stride);
-        for (int64_t line = 0; line < tile_weights * int64_t{sizeof(uint16_t)}; line += 64) prefetch(ahead + line);
-      }
+      for (int j = 0; j < kBlocks; ++j) prefetch_weight_tile(wt + kPrefetchTiles * kAmxTileWeights + j * block_stride);
+    } else if (next != nullptr) {
+      const uint16_t* next_tile = next + (t + kPrefetchTiles - input_tiles) * kAmxTileWeights;
+      for (int j = 0; j < next_blocks; ++j) prefetch_weight_tile(next_tile + j * block_stride);
     }
     _tile_loadd(4, x + t * kAmxInputs, x_bytes);
     _tile_loadd(5, wt, 64);
@@ -570,11 +583,13 @@ inline void amx_tile(const uint16_t* x, int64_t x_bytes, const uint16_t* w, int6
 
 template <int kBlocks>
 inline void amx_edge_tile(int blocks, const uint16_t* x, int64_t x_bytes, const uint16_t* w, int64_t block_stride,
-                          int64_t input_tiles, float* acc) {
+                          int64_t input_tiles, float* acc, const uint16_t* next, int next_blocks) {
   if constexpr (kBlocks > 1) {
-    if (blocks < kBlocks) return amx_edge_tile<kBlocks - 1>(blocks, x, x_bytes, w, block_stride, input_tiles, acc);
+    if (blocks < kBlocks) {
+      return amx_edge_tile<kBlocks - 1>(blocks, x, x_bytes, w, block_stride, input_tiles, acc, next, next_blocks);
+    }
   }
-  amx_tile<kBlocks>(x, x_bytes, w, block_stride, input_tiles, acc);
+  amx_tile<kBlocks>(x, x_bytes, w, block_stride, input_tiles, acc, next, next_blocks);
 }
 
 bool amx_takes(const at::Tensor& x) {
@@ -611,7 +626,13 @@ void amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor*
       const int nb = static_cast<int>(std::min<int64_t>(kAmxBlocks, end - b0));
       for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
         const uint16_t* tile_rows = r0 < full_rows ? xp + r0 * inputs : tail;
-        amx_edge_tile<kAmxBlocks>(nb, tile_rows, x_bytes, wp + b0 * block_stride, block_stride, input_tiles, acc);
+        // The next group's weights follow this group's last row tile.
+        const int64_t next_b0 = b0 + kAmxBlocks;
+        const bool next_follows = r0 + kAmxRows >= rows && next_b0 < end;
+        const uint16_t* next = next_follows ? wp + next_b0 * block_stride : nullptr;
+        const int next_nb = next_follows ? static_cast<int>(std::min<int64_t>(kAmxBlocks, end - next_b0)) : 0;
+        amx_edge_tile<kAmxBlocks>(nb, tile_rows, x_bytes, wp + b0 * block_stride, block_stride, input_tiles, acc, next,
+                                  next_nb);
         write_rows(acc, nb, static_cast<int>(std::min(kAmxRows, rows - r0)), b0, bp, op + r0 * outputs, outputs);
       }
     }
