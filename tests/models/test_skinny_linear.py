@@ -64,6 +64,33 @@ def test_each_row_gets_the_same_bits_whatever_else_is_in_the_call(dtype, rows):
     assert torch.equal(together, reversed_rows)
 
 
+@pytest.mark.parametrize("rows", [1, 6, 33])
+@pytest.mark.parametrize("out_features", [48, 50], ids=["whole-blocks", "ragged-out"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_bfloat16_outputs_round_as_pytorch_rounds_their_float32_sums(rows, out_features, with_bias):
+    """Each output is its float32 sum rounded to nearest even (ties both ways), NaN kept NaN and
+    infinities kept, in whole 16-wide blocks (vector stores) and at the ragged edge: output
+    n sums the two weights a[n] and b[n] (inputs of ones), so PyTorch's rounding of the float32
+    a[n] + b[n] is the answer."""
+    in_features = 32
+    generator = torch.Generator().manual_seed(9)
+    a, b = torch.randn(out_features, generator=generator), torch.randn(out_features, generator=generator)
+    a[:8] = torch.tensor([1.0, 1.0078125, -1.0078125, float("nan"), float("inf"), 3.0, -float("inf"), 0.5])
+    b[:8] = torch.tensor([2.0**-8, 2.0**-8, -(2.0**-8), 1.0, 1.0, 2.0**-9, 2.0, 2.0**-10])
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    weight = torch.zeros(out_features, in_features, dtype=torch.bfloat16)
+    outputs = torch.arange(out_features)
+    weight[outputs, outputs % 16], weight[outputs, 16 + outputs % 16] = a, b
+    bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.ones(rows, in_features, dtype=torch.bfloat16)
+    got = ops.skinny_linear(x, ops.pack_linear_weight(weight), bias, out_features)
+    sums = a.float() + b.float() if bias is None else a.float() + b.float() + bias.float()
+    expected = sums.to(torch.bfloat16).expand(rows, -1)
+    assert torch.equal(got.isnan(), expected.isnan())  # NaN's bits differ between PyTorch's own paths
+    numbers = ~expected.isnan()
+    assert torch.equal(got[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 4, 6, 9])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
