@@ -42,6 +42,10 @@ namespace {
 using sonar::from_f32;
 using sonar::rounded;
 using sonar::to_f32;
+#if defined(__AVX512F__)
+using sonar::load16;
+using sonar::widen_bfloat16;
+#endif
 
 // The dot product of two float32 rows, with one vector accumulator and a shuffle-tree sum at the
 // end: compilers turn a plain reduction loop into a chain of dependent scalar adds, which made
@@ -167,22 +171,6 @@ struct CacheRows {
 // of the step holds. Prompts take this kernel too, as far as attention.py's in_place_policy says.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 inline uint32_t bfloat16_bits(c10::BFloat16 x) {
   return x.x;
@@ -408,7 +396,7 @@ void amx_lane_value_sums(const float* weights, int64_t count, const c10::BFloat1
       uint16_t* const low = high + kLanes * kStepKeys;
       for (int half = 0; half < 2; ++half) {
         const __m256bh rounded = _mm512_cvtneps_pbh(halves[half][l]);
-        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+        const __m512 back = widen_bfloat16((__m256i)rounded);
         const __m256bh rest = _mm512_cvtneps_pbh(_mm512_sub_ps(halves[half][l], back));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + half * kLanes), (__m256i)rounded);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + half * kLanes), (__m256i)rest);
@@ -527,19 +515,18 @@ void attend_lanes(const LanesItem& item, const T* q_ptr, int64_t q_token_stride,
   const __m512i first_v = _mm512_load_si512(first_key), last_v = _mm512_load_si512(last_key);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  // Scores of keys lo..hi against every lane.
+  // Scores of keys lo..hi against every lane: on AMX tiles where this call takes them.
+  bool scored = false;
 #if defined(SONAR_AMX)
   if constexpr (kPairs) {
     if (amx_tiles) {
       amx_lane_scores<kVecs>(query_pairs, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v,
                              last_v, scale_v, scores);
-    } else {
-      vector_lane_scores<T, kVecs>(qt, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v, last_v,
-                                   scale_v, scores);
+      scored = true;
     }
-  } else
+  }
 #endif
-  {
+  if (!scored) {
     vector_lane_scores<T, kVecs>(qt, k_ptr, table, block_size, kv_slot_stride, kv_offset, lo, hi, first_v, last_v,
                                  scale_v, scores);
   }
@@ -907,6 +894,17 @@ void attend_decode(const DecodeItem<T>& item, const T* k_ptr, const T* v_ptr, in
 }
 #endif
 
+// Keys per AMX tile by which bfloat16 rows of several queries are scored and summed, in steps whose
+// cache blocks hold whole tiles of keys; 0 where this build or process has no tiles. Such steps
+// are faster in place at every row length measured (attention.py).
+int64_t attention_tile_keys() {
+#if defined(SONAR_AMX) && defined(__AVX512BF16__)
+  return sonar::amx_permitted() ? kTileKeys : 0;
+#else
+  return 0;
+#endif
+}
+
 // kHeadDim > 0: the head size is known when compiling (the common sizes), so the per-key loops
 // have fixed trip counts and their accumulators stay in registers; 0: any head size.
 template <typename T, int64_t kHeadDim>
@@ -984,13 +982,11 @@ void paged_attention_kernel(
   const int64_t grain = longest * head_dim * n_rep >= 4096 ? 1 : std::max<int64_t>(items, 1);
   const float fscale = static_cast<float>(scale);
 
-#if defined(SONAR_AMX)
+#if defined(__AVX512F__)
   // The lanes' scores and value sums by AMX tiles (amx_lane_scores, amx_lane_value_sums) where the
   // cache's blocks hold whole tiles of keys.
-  const bool amx_tiles = std::is_same_v<T, c10::BFloat16> && num_lane_items > 0 &&
-                         block_size % kTileKeys == 0 && sonar::amx_permitted();
-#elif defined(__AVX512F__)
-  constexpr bool amx_tiles = false;
+  const int64_t tile_keys = std::is_same_v<T, c10::BFloat16> && num_lane_items > 0 ? attention_tile_keys() : 0;
+  const bool amx_tiles = tile_keys > 0 && block_size % tile_keys == 0;
 #endif
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
@@ -1429,17 +1425,6 @@ bool attention_shares_keys() {
   return true;
 #else
   return false;
-#endif
-}
-
-// Keys per AMX tile by which bfloat16 rows of several queries are scored and summed, in steps whose
-// cache blocks hold whole tiles of keys; 0 where this build or process has no tiles. Such steps
-// are faster in place at every row length measured (attention.py).
-int64_t attention_tile_keys() {
-#if defined(SONAR_AMX) && defined(__AVX512BF16__)
-  return sonar::amx_permitted() ? kTileKeys : 0;
-#else
-  return 0;
 #endif
 }
 

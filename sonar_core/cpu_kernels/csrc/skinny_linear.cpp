@@ -453,24 +453,17 @@ inline O output_value(float sum, const T* bias, int64_t n) {
 // registers where the CPU has AVX-512: SmolLM2's 121 projections at six rows (2-core Xeon with
 // AMX, 2 threads, builds alternating) took 12.0-12.5 ms a pass with the scalar loop and 11.6-11.7
 // with this, a 225-token prefill 64.0-64.2 and 62.0-62.6 ms. bfloat16 rounding is from_f32's,
-// lane by lane, so the bits are the scalar loop's.
+// lane by lane (sonar::bfloat16_bits), so the bits are the scalar loop's.
 template <typename T, typename O>
 inline void write_block(const float* sums, const T* bias, O* out) {
 #if defined(__AVX512F__)
   __m512 value = _mm512_loadu_ps(sums);
+  if (bias) value = _mm512_add_ps(value, sonar::load16(bias));
   if constexpr (std::is_same_v<T, float>) {
-    if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(bias));
     _mm512_storeu_ps(out, value);
   } else {
     static_assert(std::is_same_v<T, c10::BFloat16>);
-    if (bias) {
-      const __m256i bias_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias));
-      value = _mm512_add_ps(value, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bias_bits), 16)));
-    }
-    const __m512i u = _mm512_castps_si512(value);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    const __m512i bits = sonar::bfloat16_bits(value);
     if constexpr (std::is_same_v<O, float>) {
       _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
     } else {
