@@ -25,11 +25,11 @@ import torch
 from sonar_core import cpu_kernels
 from sonar_core.cpu_features import cpu_model, kernel_flags
 from sonar_core.layers import attention
+from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.models.loader import load_model
-from sonar_core.models.step_benchmark import CachedSteps
+from sonar_core.models.step_benchmark import ENGINE_BLOCK_SIZE, CachedSteps
 from sonar_core.models.timing import alternated_medians_ms
 
-BLOCK_SIZE = 16
 GATHERED_PAST_EIGHT = attention.InPlacePolicy(attention.BATCHED_MAX_QUERIES, attention.AMX_BF16_IN_PLACE_MAX_SCORES)
 IN_PLACE = attention.InPlacePolicy(sys.maxsize)
 
@@ -44,19 +44,21 @@ def kernel_microseconds(
         raise RuntimeError(f"Sonar's CPU kernels are not available: {cpu_kernels.problem()}")
     generator = torch.Generator().manual_seed(0)
     seq_len = context + queries
-    num_blocks = 2 * (-(-seq_len // BLOCK_SIZE))
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
+    blocks = -(-seq_len // ENGINE_BLOCK_SIZE)
+    k_cache = torch.randn(2 * blocks, ENGINE_BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(2 * blocks, ENGINE_BLOCK_SIZE, kv_heads, head_dim, generator=generator).to(dtype)
     q = torch.randn(queries, heads, head_dim, generator=generator).to(dtype)
-    table = torch.randperm(num_blocks, generator=generator)[: -(-seq_len // BLOCK_SIZE)].unsqueeze(0)
-    lens, starts = torch.tensor([seq_len]), torch.tensor([0, queries])
+    table = torch.randperm(2 * blocks, generator=generator)[:blocks].tolist()
+    metadata = AttentionMetadata.build([queries], [seq_len], [table], ENGINE_BLOCK_SIZE, torch.device("cpu"))
     scale = head_dim**-0.5
 
     calls_per_sample = 50
 
     def calls() -> None:
         for _ in range(calls_per_sample):
-            ops.paged_attention(q, k_cache, v_cache, table, lens, starts, scale, True, 0)
+            ops.paged_attention(
+                q, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, scale, True, 0
+            )
 
     (milliseconds,) = alternated_medians_ms([calls], iters)
     return milliseconds * 1e3 / calls_per_sample
