@@ -145,44 +145,50 @@ class Eagle3Trainer(HeadTrainer):
         return losses.result(self.head)
 
     def unroll(self, batch: FlatBatch) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """The training-time test over ``batch``: per step, the rows that ran it (those with a label
-        ``step + 1`` positions on) and the head's output for them, whose logits predict the
-        target's distribution at ``rows + step + 1``."""
-        depth = self.options.depth
-        total = batch.num_rows
-        all_rows = torch.arange(total)
-        # Step 0: the first pass over every row (all of them are the later steps' context).
-        metadata = paged.prefill(batch.lengths.tolist(), batch.bases.tolist())
-        # Rows that run later steps: those with a label two positions on.
-        chained = all_rows[batch.within(all_rows, 2)] if depth > 1 else all_rows[:0]
-        cache = paged.new_cache(self.head.kv_layers, total + chained.numel() * (depth - 1))
-        states = TargetHiddenStates(self.layers, self.target.hidden_size, aux=batch.cat("aux"))
-        hidden = self.head.target_input(states, all_rows)
-        out, carry = self.head(batch.token_after(all_rows, 1), hidden, metadata.positions, cache, metadata, 0)
-        scored = all_rows[batch.within(all_rows, 1)]
-        yield 0, scored, out.index_select(0, scored)
-
-        # Steps 1 .. depth-1: each chained row one position further, over its private slots.
-        slots = total + torch.arange(chained.numel() * (depth - 1)).view(-1, depth - 1)
-        index = torch.arange(chained.numel())  # into chained (and slots)
-        carry = carry.index_select(0, chained)
-        for step in range(1, depth):
-            keep = batch.within(chained[index], step + 1)
-            index, carry = index[keep], carry[keep]
-            if index.numel() == 0:
-                return
-            rows = chained[index]
-            metadata = paged.rows_over_context(
-                batch.bases[batch.seq_of[rows]], batch.position[rows] + 1, slots[index, :step], query_len=1
-            )
-            out, carry = self.head(batch.token_after(rows, step + 1), carry, metadata.positions, cache, metadata, step)
-            yield step, rows, out
+        """The training-time test of this trainer's head over ``batch`` (:func:`unroll`)."""
+        return unroll(self.head, batch, self.options.depth)
 
     def export(self, out_dir: Path, dtype: torch.dtype) -> Path:
         tensors = {name: t.to(dtype) for name, t in checkpoint_tensors(self.head, self.layout.layer).items()}
         if self.layout.has_vocab_map:
             tensors.update(vocab_maps(self.draft_vocab, self.target.vocab_size))
         return save_draft_checkpoint(out_dir, tensors, self.config)
+
+
+def unroll(head: nn.Module, batch: FlatBatch, depth: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The training-time test of an EAGLE-3 ``head`` (sonar-eagle's ``Eagle3Head``) over ``batch``,
+    ``depth`` steps: per step, the rows that ran it (those with a label ``step + 1`` positions on)
+    and the head's output for them, whose logits predict the target's distribution at
+    ``rows + step + 1``. Every step is fed the sequence's own tokens, so step ``j`` at row ``t`` is
+    the draft a chain (or the branch of a draft tree) that holds the right tokens so far makes."""
+    total = batch.num_rows
+    all_rows = torch.arange(total)
+    # Step 0: the first pass over every row (all of them are the later steps' context).
+    metadata = paged.prefill(batch.lengths.tolist(), batch.bases.tolist())
+    # Rows that run later steps: those with a label two positions on.
+    chained = all_rows[batch.within(all_rows, 2)] if depth > 1 else all_rows[:0]
+    cache = paged.new_cache(head.kv_layers, total + chained.numel() * (depth - 1))
+    states = TargetHiddenStates(head.target_hidden_layers, head.layout.target_hidden_size, aux=batch.cat("aux"))
+    hidden = head.target_input(states, all_rows)
+    out, carry = head(batch.token_after(all_rows, 1), hidden, metadata.positions, cache, metadata, 0)
+    scored = all_rows[batch.within(all_rows, 1)]
+    yield 0, scored, out.index_select(0, scored)
+
+    # Steps 1 .. depth-1: each chained row one position further, over its private slots.
+    slots = total + torch.arange(chained.numel() * (depth - 1)).view(-1, depth - 1)
+    index = torch.arange(chained.numel())  # into chained (and slots)
+    carry = carry.index_select(0, chained)
+    for step in range(1, depth):
+        keep = batch.within(chained[index], step + 1)
+        index, carry = index[keep], carry[keep]
+        if index.numel() == 0:
+            return
+        rows = chained[index]
+        metadata = paged.rows_over_context(
+            batch.bases[batch.seq_of[rows]], batch.position[rows] + 1, slots[index, :step], query_len=1
+        )
+        out, carry = head(batch.token_after(rows, step + 1), carry, metadata.positions, cache, metadata, step)
+        yield step, rows, out
 
 
 def _added_layer_names(state: dict[str, torch.Tensor], earlier_layers: int, layers: int) -> set[str]:
