@@ -5,10 +5,9 @@ head (so a trained head drafts exactly what it was trained to)."""
 from __future__ import annotations
 
 import torch
-from training_kit import data_spec, make_trainer
+from training_kit import DEPTH, data_spec, make_trainer, propose_once, recording_logits
 
 from sonar_core.entrypoints.llm import LLM
-from sonar_core.kv import allocate_kv_cache
 from sonar_core.layers.decoder import fused_projections
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode.block_layout import block_layout_of, block_target
@@ -17,41 +16,9 @@ from sonar_core.spec_decode.chain_proposer import ChainProposer
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.head_loading import HeadSpec, load_head_checkpoint
-from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, TargetHiddenStates
 from sonar_core.training.data import SelfDistillationData, training_prompts
 from sonar_core.training.dataset import StreamingDataset, TrainingSequence
 from sonar_core.training.methods.base import FlatBatch
-
-BLOCK = 16
-DEPTH = 3
-
-
-def _recording(head: torch.nn.Module) -> list[torch.Tensor]:
-    """Record every logits tensor the head computes while it drafts."""
-    recorded: list[torch.Tensor] = []
-    compute = head.compute_logits
-
-    def record(out: torch.Tensor) -> torch.Tensor:
-        recorded.append(compute(out))
-        return recorded[-1]
-
-    head.compute_logits = record
-    return recorded
-
-
-def _propose(proposer, tokens: list[int], context_rows: int, aux: torch.Tensor, layers, hidden_size: int) -> list[int]:
-    """One propose call for a request whose target has read ``context_rows`` positions."""
-    head_kv = proposer.capabilities.kv_layers
-    blocks = (len(tokens) + BLOCK + DEPTH) // BLOCK + 1
-    request = ProposalRequest(
-        request_id="r", token_ids=tokens, num_new_tokens=len(tokens), max_draft_tokens=DEPTH,
-        block_table=list(range(blocks)), hidden_rows=slice(0, context_rows), hidden_start=0,
-    )
-    batch = ProposeBatch(
-        requests=[request], block_size=BLOCK, kv_caches=allocate_kv_cache(list(head_kv), blocks, BLOCK, torch.float32, "cpu"),
-        device=torch.device("cpu"), target_hidden=TargetHiddenStates(layers, hidden_size, aux=aux[:context_rows]),
-    )
-    return proposer.propose(batch).token_ids[0]
 
 
 def test_eagle3_unrolled_steps_are_the_chain_proposers_drafts(tmp_path, dataset, training_target):
@@ -61,10 +28,10 @@ def test_eagle3_unrolled_steps_are_the_chain_proposers_drafts(tmp_path, dataset,
     head_dir = trainer.export(tmp_path / "head", torch.float32)
     head, vocab_map = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", training_target.modules,
                                 torch.float32, torch.device("cpu"))
-    recorded = _recording(head)
+    recorded = recording_logits(head)
     record = dataset.load([0], trainer.layers, final=True)[0]
     m = min(record.num_rows, 20)  # the target has read positions 0..m-1 and sampled token m
-    drafts = _propose(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
+    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
                       m, record.aux, trainer.layers, training_target.hidden_size)
     assert len(drafts) == DEPTH
 
@@ -87,10 +54,10 @@ def test_dflash_training_blocks_are_the_block_proposers(tmp_path, dataset, train
     spec = HeadSpec(build=lambda modules: BlockDraftHead(layout, modules), fused=fused_projections(layout.layer),
                     vocab_size=layout.vocab_size, draft_vocab_size=layout.draft_vocab_size)
     head, vocab_map = load_head_checkpoint(checkpoint, spec, training_target.modules, torch.float32, torch.device("cpu"))
-    recorded = _recording(head)
+    recorded = recording_logits(head)
     record = dataset.load([0], trainer.layers, final=True)[0]
     p = min(record.num_rows - DEPTH, 20)  # the anchor: the newest token sits at position p
-    drafts = _propose(BlockProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: p + 1].tolist(),
+    drafts = propose_once(BlockProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: p + 1].tolist(),
                       p, record.aux, trainer.layers, training_target.hidden_size)
     assert len(drafts) == DEPTH
 

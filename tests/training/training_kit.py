@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from sonar_core.kv import allocate_kv_cache
+from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, TargetHiddenStates
 from sonar_core.training.data import DataSpec
 from sonar_core.training.dataset import StreamingDataset
 from sonar_core.training.loop import TrainSettings
@@ -38,3 +40,36 @@ def make_trainer(method: str, training_target: TrainingTarget, dataset: Streamin
     options = HeadOptions(depth=depth, draft_vocab_size=DRAFT_VOCAB, labels=labels, num_layers=num_layers)
     return build_trainer(method, training_target, options, draft_vocabulary(counts, size), dataset.layer_ids,
                          training_target.vocab_size - 1)
+
+
+# Block size and draft depth of the drafting tests.
+BLOCK = 16
+DEPTH = 3
+
+
+def recording_logits(head: torch.nn.Module) -> list[torch.Tensor]:
+    """Record every logits tensor the head computes while it drafts."""
+    recorded: list[torch.Tensor] = []
+    compute = head.compute_logits
+
+    def record(out: torch.Tensor) -> torch.Tensor:
+        recorded.append(compute(out))
+        return recorded[-1]
+
+    head.compute_logits = record
+    return recorded
+
+
+def propose_once(proposer, tokens: list[int], context_rows: int, aux: torch.Tensor, layers, hidden_size: int) -> list[int]:
+    """One propose call for a request whose target has read ``context_rows`` positions."""
+    head_kv = proposer.capabilities.kv_layers
+    blocks = (len(tokens) + BLOCK + DEPTH) // BLOCK + 1
+    request = ProposalRequest(
+        request_id="r", token_ids=tokens, num_new_tokens=len(tokens), max_draft_tokens=DEPTH,
+        block_table=list(range(blocks)), hidden_rows=slice(0, context_rows), hidden_start=0,
+    )
+    batch = ProposeBatch(
+        requests=[request], block_size=BLOCK, kv_caches=allocate_kv_cache(list(head_kv), blocks, BLOCK, torch.float32, "cpu"),
+        device=torch.device("cpu"), target_hidden=TargetHiddenStates(layers, hidden_size, aux=aux[:context_rows]),
+    )
+    return proposer.propose(batch).token_ids[0]
