@@ -15,6 +15,7 @@ from sonar_core.bench.tree_bound import (
     score_tree,
     tree_nodes,
 )
+from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.chain_proposer import ChainProposer
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSampler
@@ -96,3 +97,9 @@ def test_the_command_scores_tree_shapes_of_a_trained_head(tmp_path, dataset, tra
     assert [int(row[1]) for row in rows] == [2, 4, 6]
     lengths = [float(row[3]) for row in rows]
     assert all(1.0 <= length <= 3.0 for length in lengths)
+
+
+def test_without_a_head_the_command_takes_the_shipped_one_and_names_the_fix_where_none_ships(target):
+    with pytest.raises(ConfigError, match="no EAGLE-3 head ships for this target") as raised:
+        main([str(target), "--workload", "chat", "--num-prompts", "1"])
+    assert raised.value.field == "head" and "--head" in str(raised.value)
