@@ -193,6 +193,27 @@ def measure_row_costs(llm: Any, max_rows: int, context: int, rounds: int) -> lis
     return [median / medians[0] for median in medians]
 
 
+def add_row_cost_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of the step costs a bound tool prices its steps with: given, or measured on the
+    target (``rounds`` by default)."""
+    parser.add_argument("--row-costs", default=None,
+                        help="cost of a step of 1, 2, ... rows over a decode step, comma-separated, "
+                        "instead of measuring them")
+    parser.add_argument("--context", type=int, default=256, help="cached tokens of the measured steps")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds of the measured steps")
+
+
+def row_costs_from(args: argparse.Namespace, parser: argparse.ArgumentParser, llm: Any, rows: int) -> list[float]:
+    """Costs of steps of 1 to ``rows`` rows over a decode step: ``--row-costs`` (refused when it
+    does not reach ``rows``) or measured on ``llm``'s target."""
+    if args.row_costs is None:
+        return measure_row_costs(llm, rows, args.context, args.rounds)
+    costs = [float(cost) for cost in args.row_costs.split(",")]
+    if len(costs) < rows:
+        parser.error(f"--row-costs needs {rows} values (steps of 1 to {rows} rows)")
+    return costs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=None, help="target model (default: the embedded SmolLM2)")
@@ -202,11 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--depths", default="5,8", help="largest depths replayed, comma-separated")
-    parser.add_argument("--row-costs", default=None,
-                        help="cost of a step of 1, 2, ... rows over a decode step, comma-separated, "
-                        "instead of measuring them")
-    parser.add_argument("--context", type=int, default=256, help="cached tokens of the measured steps")
-    parser.add_argument("--rounds", type=int, default=40, help="rounds of the measured steps")
+    add_row_cost_arguments(parser, rounds=40)
     args = parser.parse_args(argv)
     from sonar_core.cpu_features import cpu_model, kernel_flags
     from sonar_core.entrypoints.llm import LLM
@@ -218,12 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("sonar.spec_decode").setLevel(logging.WARNING)
     depths = [int(depth) for depth in args.depths.split(",")]
     llm = LLM(model=args.model, dtype=args.dtype)
-    if args.row_costs is None:
-        row_costs = measure_row_costs(llm, max(depths) + 1, args.context, args.rounds)
-    else:
-        row_costs = [float(cost) for cost in args.row_costs.split(",")]
-        if max(depths) >= len(row_costs):
-            parser.error(f"--row-costs needs {max(depths) + 1} values (steps of 1 to {max(depths) + 1} rows)")
+    row_costs = row_costs_from(args, parser, llm, max(depths) + 1)
     answers = greedy_answers(llm, args.workload, args.num_prompts, args.max_tokens)
     print(f"{args.workload}: {len(answers)} greedy answers, {sum(len(a) for _, a in answers)} tokens, {args.dtype}, "
           f"{torch.get_num_threads()} threads; CPU: {cpu_model()} ({', '.join(kernel_flags()) or 'no listed flags'})")

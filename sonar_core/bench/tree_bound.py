@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from sonar_core.bench.lookup_bound import add_row_cost_arguments, greedy_answers, row_costs_from
 from sonar_core.errors import ConfigError
 from sonar_core.training.dataset import StreamingDataset, TrainingSequence
 from sonar_core.training.methods.base import FlatBatch
@@ -160,15 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     parser.add_argument("--trees", default=DEFAULT_TREES,
                         help="tree shapes: widths per depth, ';' between shapes (default: %(default)s)")
-    parser.add_argument("--row-costs", default=None,
-                        help="cost of a step of 1, 2, ... rows over a decode step, comma-separated, "
-                        "instead of measuring them")
-    parser.add_argument("--context", type=int, default=256, help="cached tokens of the measured steps")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds of the measured steps")
+    add_row_cost_arguments(parser, rounds=20)
     args = parser.parse_args(argv)
     from sonar_eagle.loading import load_head
 
-    from sonar_core.bench.lookup_bound import greedy_answers, measure_row_costs
     from sonar_core.cpu_features import cpu_model, kernel_flags
     from sonar_core.entrypoints.llm import LLM
     from sonar_core.model_files import resolve_model_path
@@ -191,12 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         speculative = {"method": "extract_hidden_states", "output_dir": states_dir, "layer_ids": list(layers),
                        "include_final": True}
         llm = LLM(model=args.model, dtype=args.dtype, speculative_config=speculative)
-        if args.row_costs is None:
-            row_costs = measure_row_costs(llm, rows_needed, args.context, args.rounds)
-        else:
-            row_costs = [float(cost) for cost in args.row_costs.split(",")]
-            if len(row_costs) < rows_needed:
-                parser.error(f"--row-costs needs {rows_needed} values (steps of 1 to {rows_needed} rows)")
+        row_costs = row_costs_from(args, parser, llm, rows_needed)
         answers = greedy_answers(llm, args.workload, args.num_prompts, args.max_tokens)
         dataset = StreamingDataset(sorted(Path(states_dir).glob("*.safetensors")), max_rows=1 << 30, batch_rows=2)
         sequences = ((dataset.load([i], layers, final=False)[0], record.prompt_length)

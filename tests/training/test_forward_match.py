@@ -5,7 +5,7 @@ head (so a trained head drafts exactly what it was trained to)."""
 from __future__ import annotations
 
 import torch
-from training_kit import DEPTH, data_spec, make_trainer, propose_once, recording_logits
+from training_kit import DEPTH, data_spec, draft_eagle3_chain, make_trainer, propose_once, recording_logits
 
 from sonar_core.entrypoints.llm import LLM
 from sonar_core.layers.decoder import fused_projections
@@ -22,17 +22,8 @@ from sonar_core.training.methods.base import FlatBatch
 
 
 def test_eagle3_unrolled_steps_are_the_chain_proposers_drafts(tmp_path, dataset, training_target):
-    from sonar_eagle.loading import load_head
-
-    trainer = make_trainer("eagle3", training_target, dataset, depth=DEPTH, seed=3)
-    head_dir = trainer.export(tmp_path / "head", torch.float32)
-    head, vocab_map = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", training_target.modules,
-                                torch.float32, torch.device("cpu"))
-    recorded = recording_logits(head)
-    record = dataset.load([0], trainer.layers, final=True)[0]
-    m = min(record.num_rows, 20)  # the target has read positions 0..m-1 and sampled token m
-    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
-                      m, record.aux, trainer.layers, training_target.hidden_size)
+    chain = draft_eagle3_chain(tmp_path / "head", training_target, dataset)
+    trainer, record, m, drafts = chain.trainer, chain.record, chain.m, chain.drafts
     assert len(drafts) == DEPTH
 
     # The same request as a training sequence whose later tokens are the drafts (teacher forcing).
@@ -42,8 +33,8 @@ def test_eagle3_unrolled_steps_are_the_chain_proposers_drafts(tmp_path, dataset,
     with torch.no_grad():
         for step, rows, out in trainer.unroll(FlatBatch([sequence])):
             logits = trainer.head.compute_logits(out[rows == m - 1])
-            torch.testing.assert_close(logits, recorded[step], rtol=1e-4, atol=1e-4)
-            assert int(vocab_map.to_target(logits.argmax(-1))) == drafts[step]
+            torch.testing.assert_close(logits, chain.recorded[step], rtol=1e-4, atol=1e-4)
+            assert int(chain.vocab_map.to_target(logits.argmax(-1))) == drafts[step]
 
 
 def test_dflash_training_blocks_are_the_block_proposers(tmp_path, dataset, training_target):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training_kit import DEPTH, make_trainer, propose_once, recording_logits
+from training_kit import DEPTH, draft_eagle3_chain, make_trainer
 
 from sonar_core.bench.tree_bound import (
     NOT_DRAFTABLE,
@@ -16,9 +16,6 @@ from sonar_core.bench.tree_bound import (
     tree_nodes,
 )
 from sonar_core.errors import ConfigError
-from sonar_core.spec_decode.chain_proposer import ChainProposer
-from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
-from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.training.dataset import TrainingSequence
 
 
@@ -56,18 +53,9 @@ def test_the_walk_scores_the_steps_the_engine_would_take_not_every_position():
 def test_ranks_follow_the_heads_own_chain_and_its_runners_up(tmp_path, dataset, training_target):
     """Along the chain the head drafts itself every rank is 0; a runner-up in its place ranks 1; a
     token outside the draft vocabulary is never drafted."""
-    from sonar_eagle.loading import load_head
-
-    trainer = make_trainer("eagle3", training_target, dataset, depth=DEPTH, seed=3)
-    head_dir = trainer.export(tmp_path / "head", torch.float32)
-    head, vocab_map = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", training_target.modules,
-                                torch.float32, torch.device("cpu"))
-    recorded = recording_logits(head)
-    record = dataset.load([0], trainer.layers, final=True)[0]
-    m = min(record.num_rows, 20)  # the target has read positions 0..m-1 and sampled token m
-    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
-                      m, record.aux, trainer.layers, training_target.hidden_size)
-    runner_up = int(vocab_map.to_target(recorded[DEPTH - 1].topk(2, dim=-1).indices[0, 1:]))
+    chain = draft_eagle3_chain(tmp_path / "head", training_target, dataset)
+    head, vocab_map, record, m, drafts = chain.head, chain.vocab_map, chain.record, chain.m, chain.drafts
+    runner_up = int(vocab_map.to_target(chain.recorded[DEPTH - 1].topk(2, dim=-1).indices[0, 1:]))
     outside = next(t for t in range(training_target.vocab_size) if t not in set(vocab_map.target_ids.tolist()))
 
     def ranks_with(last_draft: int) -> list[int]:

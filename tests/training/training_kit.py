@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from sonar_core.kv import allocate_kv_cache
+from sonar_core.spec_decode.chain_proposer import ChainProposer
+from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
+from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, TargetHiddenStates
 from sonar_core.training.data import DataSpec
-from sonar_core.training.dataset import StreamingDataset
+from sonar_core.training.dataset import StreamingDataset, TrainingSequence
 from sonar_core.training.loop import TrainSettings
 from sonar_core.training.methods import build_trainer, reduces_vocabulary
 from sonar_core.training.methods.base import HeadOptions, HeadTrainer
@@ -73,3 +78,33 @@ def propose_once(proposer, tokens: list[int], context_rows: int, aux: torch.Tens
         device=torch.device("cpu"), target_hidden=TargetHiddenStates(layers, hidden_size, aux=aux[:context_rows]),
     )
     return proposer.propose(batch).token_ids[0]
+
+
+@dataclass
+class DraftedChain:
+    """A seeded EAGLE-3 head, loaded as its plugin loads it, and the chain it drafts for the first
+    training answer once the target has read positions ``0 .. m - 1`` and sampled token ``m``."""
+
+    trainer: HeadTrainer
+    head: torch.nn.Module
+    vocab_map: Any  # the head's DraftVocabularyMap
+    recorded: list[torch.Tensor]  # every logits tensor the head computed, the chain's first
+    record: TrainingSequence
+    m: int
+    drafts: list[int]
+
+
+def draft_eagle3_chain(out_dir: Path, training_target: TrainingTarget, dataset: StreamingDataset) -> DraftedChain:
+    """Export a seeded EAGLE-3 head to ``out_dir``, load it back and draft one chain of DEPTH."""
+    from sonar_eagle.loading import load_head
+
+    trainer = make_trainer("eagle3", training_target, dataset, depth=DEPTH, seed=3)
+    head_dir = trainer.export(out_dir, torch.float32)
+    head, vocab_map = load_head(DraftCheckpoint.open(str(head_dir)), "eagle3", training_target.modules,
+                                torch.float32, torch.device("cpu"))
+    recorded = recording_logits(head)
+    record = dataset.load([0], trainer.layers, final=True)[0]
+    m = min(record.num_rows, 20)
+    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
+                          m, record.aux, trainer.layers, training_target.hidden_size)
+    return DraftedChain(trainer, head, vocab_map, recorded, record, m, drafts)
