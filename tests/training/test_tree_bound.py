@@ -7,7 +7,9 @@ import pytest
 import torch
 from training_kit import DEPTH, draft_eagle3_chain, make_trainer
 
-from sonar_core.bench.tree_bound import (
+from sonar_core.errors import ConfigError
+from sonar_core.training.dataset import TrainingSequence
+from sonar_core.training.tree_bound import (
     NOT_DRAFTABLE,
     main,
     parse_trees,
@@ -15,8 +17,6 @@ from sonar_core.bench.tree_bound import (
     score_tree,
     tree_nodes,
 )
-from sonar_core.errors import ConfigError
-from sonar_core.training.dataset import TrainingSequence
 
 
 def test_a_tree_drafts_the_product_of_its_widths_at_each_depth():

@@ -22,7 +22,7 @@ The cost side is the target's: a step of ``1 + nodes`` rows over a decode step, 
 fifth of a chain step on SmolLM2; a tree's passes score more rows), as is the host work, so the
 modelled speedup is an upper bound for each shape.
 
-    python -m sonar_core.bench.tree_bound --workload chat --threads 2
+    python -m sonar_core.training.tree_bound --workload chat --threads 2
 """
 
 from __future__ import annotations
