@@ -72,7 +72,7 @@ inline __m512 load16<c10::Half>(const c10::Half* p) {
 }
 
 // from_f32<c10::BFloat16> of each lane: the bfloat16 bits in the low half of each 32-bit lane.
-inline __m512i bfloat16_bits(__m512 x) {
+inline __m512i rounded_bfloat16_bits(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i nearest_even = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);

@@ -453,7 +453,7 @@ inline O output_value(float sum, const T* bias, int64_t n) {
 // registers where the CPU has AVX-512: SmolLM2's 121 projections at six rows (2-core Xeon with
 // AMX, 2 threads, builds alternating) took 12.0-12.5 ms a pass with the scalar loop and 11.6-11.7
 // with this, a 225-token prefill 64.0-64.2 and 62.0-62.6 ms. bfloat16 rounding is from_f32's,
-// lane by lane (sonar::bfloat16_bits), so the bits are the scalar loop's.
+// lane by lane (sonar::rounded_bfloat16_bits), so the bits are the scalar loop's.
 template <typename T, typename O>
 inline void write_block(const float* sums, const T* bias, O* out) {
 #if defined(__AVX512F__)
@@ -463,7 +463,7 @@ inline void write_block(const float* sums, const T* bias, O* out) {
     _mm512_storeu_ps(out, value);
   } else {
     static_assert(std::is_same_v<T, c10::BFloat16>);
-    const __m512i bits = sonar::bfloat16_bits(value);
+    const __m512i bits = sonar::rounded_bfloat16_bits(value);
     if constexpr (std::is_same_v<O, float>) {
       _mm512_storeu_ps(out, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
     } else {
