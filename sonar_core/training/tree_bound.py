@@ -38,6 +38,7 @@ import torch
 
 from sonar_core.bench.lookup_bound import add_row_cost_arguments, greedy_answers, row_costs_from
 from sonar_core.errors import ConfigError
+from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 from sonar_core.training.dataset import StreamingDataset, TrainingSequence
 from sonar_core.training.methods.base import FlatBatch
 from sonar_core.training.methods.eagle3 import unroll
@@ -104,17 +105,16 @@ def parse_trees(text: str) -> list[tuple[int, ...]]:
     return trees
 
 
-def right_token_ranks(head: torch.nn.Module, draft_ids: torch.Tensor, sequences: Iterable[tuple[TrainingSequence, int]],
-                      depth: int) -> list[torch.Tensor]:
+def right_token_ranks(head: torch.nn.Module, vocab_map: DraftVocabularyMap,
+                      sequences: Iterable[tuple[TrainingSequence, int]], depth: int) -> list[torch.Tensor]:
     """Per answer, ``[positions, depth]``: the rank of the right token among the head's candidates
     at each depth (:data:`NOT_DRAFTABLE` outside its vocabulary).
 
-    ``sequences`` yields (an answer with the head's target states, its prompt length); ``draft_ids`` are the target ids of the head's vocabulary.
+    ``sequences`` yields (an answer with the head's target states, its prompt length);
+    ``vocab_map`` takes the head's vocabulary to the target's.
     Position ``t`` is a step after the target emitted token ``t + 1`` (from the last prompt
     position on); its depth ``j`` drafts token ``t + j + 2``.
     """
-    draft_index = torch.full((int(draft_ids.max()) + 1,), -1, dtype=torch.int64)
-    draft_index[draft_ids] = torch.arange(draft_ids.shape[0])
     found: list[torch.Tensor] = []
     with torch.no_grad():
         for sequence, prompt_length in sequences:
@@ -127,12 +127,12 @@ def right_token_ranks(head: torch.nn.Module, draft_ids: torch.Tensor, sequences:
             for step, rows, out in unroll(head, batch, depth):
                 keep = (rows >= positions[0]) & (rows <= last)
                 rows, logits = rows[keep], head.compute_logits(out[keep]).float()
-                right = batch.token_after(rows, step + 2)
-                index = draft_index[right.clamp(max=draft_index.shape[0] - 1)]
-                index = torch.where(right < draft_index.shape[0], index, -1)
-                right_logit = logits.gather(1, index.clamp(min=0).unsqueeze(1))
+                right = batch.token_after(rows, step + 2).unsqueeze(1)
+                # Over the target's vocabulary, the right token's logit is -inf where the head has
+                # no such token.
+                right_logit = vocab_map.scatter_logits(logits).gather(1, right)
                 rank = (logits > right_logit).sum(dim=1)
-                ranks[rows - positions[0], step] = torch.where(index >= 0, rank, NOT_DRAFTABLE)
+                ranks[rows - positions[0], step] = torch.where(right_logit.squeeze(1).isinf(), NOT_DRAFTABLE, rank)
             found.append(ranks)
     if not found:
         raise ValueError(f"no answer is longer than {depth + 1} tokens: nothing to score")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         dataset = StreamingDataset(sorted(Path(states_dir).glob("*.safetensors")), max_rows=1 << 30, batch_rows=2)
         sequences = ((dataset.load([i], layers, final=False)[0], record.prompt_length)
                      for i, record in enumerate(dataset.records))
-        ranks = right_token_ranks(head, vocab_map.target_ids, sequences, depth)
+        ranks = right_token_ranks(head, vocab_map, sequences, depth)
     print(f"{args.workload}: {len(answers)} greedy answers, {sum(len(a) for _, a in answers)} tokens, "
           f"{sum(r.shape[0] for r in ranks)} scored positions, {args.dtype}, {torch.get_num_threads()} threads; head {head_dir}; "
           f"CPU: {cpu_model()} ({', '.join(kernel_flags()) or 'no listed flags'})")

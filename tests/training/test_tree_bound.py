@@ -63,7 +63,7 @@ def test_ranks_follow_the_heads_own_chain_and_its_runners_up(tmp_path, dataset, 
         aux = torch.cat([record.aux[:m], torch.zeros(DEPTH, record.aux.shape[1])])
         sequence = TrainingSequence(tokens, aux, None)
         # Prompt length m: the one scored position is row m - 1, the step after token m.
-        (ranks,) = right_token_ranks(head, vocab_map.target_ids, [(sequence, m)], DEPTH)
+        (ranks,) = right_token_ranks(head, vocab_map, [(sequence, m)], DEPTH)
         assert ranks.shape == (1, DEPTH)
         return ranks[0].tolist()
 
