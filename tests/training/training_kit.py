@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -13,6 +12,7 @@ from sonar_core.spec_decode.chain_proposer import ChainProposer
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, TargetHiddenStates
+from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 from sonar_core.training.data import DataSpec
 from sonar_core.training.dataset import StreamingDataset, TrainingSequence
 from sonar_core.training.loop import TrainSettings
@@ -87,7 +87,7 @@ class DraftedChain:
 
     trainer: HeadTrainer
     head: torch.nn.Module
-    vocab_map: Any  # the head's DraftVocabularyMap
+    vocab_map: DraftVocabularyMap
     recorded: list[torch.Tensor]  # every logits tensor the head computed, the chain's first
     record: TrainingSequence
     m: int
