@@ -86,6 +86,12 @@ class SpeculativeConfig(BaseModel):
     depth (at most num_speculative_tokens) from its measured acceptance and the measured step cost,
     and stops drafting when drafting would cost throughput (large batches)."""
 
+    num_draft_branches: int = 1
+    """Chains a request drafts per step (methods that draft one token at a time from the target's
+    states: eagle, eagle3, mtp). Above 1, the head's next best first tokens each start a chain of
+    their own, verified beside the request's chain in the same target pass; the chain whose first
+    token the target emits is kept. Each branch costs num_speculative_tokens + 1 more target rows."""
+
     @field_validator("method", "model")
     @classmethod
     def _not_blank(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -106,6 +112,17 @@ class SpeculativeConfig(BaseModel):
                 f"the number of draft tokens per step must be positive, got {value}",
                 "set num_speculative_tokens to 1 or more; start with 1 to 3 and raise it while later "
                 "positions are still accepted",
+            )
+        return value
+
+    @field_validator("num_draft_branches")
+    @classmethod
+    def _positive_branches(cls, value: int) -> int:
+        if value < 1:
+            raise ConfigError(
+                f"{FIELD}.num_draft_branches",
+                f"the number of draft chains per request must be positive, got {value}",
+                "set num_draft_branches to 1 (one chain) or 2 to 3 (chains from the head's best first tokens)",
             )
         return value
 

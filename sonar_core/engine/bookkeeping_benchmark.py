@@ -76,7 +76,7 @@ def measure(tokenizer: Any, length: int, batch: int, logprobs: bool, seed: int =
     ]
     rng = random.Random(seed)
     sched = SimpleNamespace(
-        scheduled=[SimpleNamespace(seq=seq, num_new_tokens=1, samples=True, draft_token_ids=[]) for seq in seqs]
+        scheduled=[SimpleNamespace(seq=seq, num_new_tokens=1, samples=True, draft_token_ids=[], draft_branches=[]) for seq in seqs]
     )
     accepted = [0] * batch
     times = []

@@ -116,6 +116,8 @@ class LLMEngine:
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         state_specs = self.model.state_specs()
+        if plan is not None and speculative.config.num_draft_branches > 1:
+            self._check_branching(bool(state_specs))
         # Before any KV is allocated: an explicit true that would not be lossless is a ConfigError.
         self.prefix_caching = resolve_prefix_caching(
             config.enable_prefix_caching, plan.capabilities if plan else None, bool(state_specs)
@@ -168,6 +170,7 @@ class LLMEngine:
                 adaptive_depth=plan.adaptive_depth,
                 attention_backend=self._attention_backend(speculative.config.attention_backend),
                 target_kv_caches=caches[: len(target_specs)],
+                num_draft_branches=speculative.config.num_draft_branches,
             )
         self.verifier = Verifier(self.device)
         # Split over ranks, every rank keeps its fixed share of the cores (start_tensor_parallel).
@@ -194,6 +197,20 @@ class LLMEngine:
         if self.workers is not None:
             return MirroredStateCache(self.workers, TARGET, specs, num_slots, positions, self.dtype, self.device)
         return RecurrentStateCache(specs, num_slots, positions, self.dtype, self.device)
+
+    def _check_branching(self, has_recurrent_state: bool) -> None:
+        """Draft branches fork the request's KV on the driver: not with a split target, nor with
+        recurrent states (one state per request, not per chain)."""
+        reason = (
+            "the target is split over several ranks" if self.workers is not None
+            else "the target keeps recurrent states (linear attention)" if has_recurrent_state else None
+        )
+        if reason is not None:
+            raise ConfigError(
+                "speculative_config.num_draft_branches",
+                f"draft branches are not supported when {reason}",
+                "remove num_draft_branches (one chain per request)",
+            )
 
     def _say_where_the_draft_runs(self, speculative: SpeculativeConfig) -> None:
         """A draft asked to split over the target's ranks that the method keeps whole on the driver."""
@@ -321,10 +338,11 @@ class LLMEngine:
         result = self.verifier(run, sched.scheduled)
         self.runner.commit_states(sched, result.num_accepted)
         verified = time.monotonic()
+        self._settle_branches(sched, result.winners, result.num_accepted)
         updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
         self.scheduler.cache_full_blocks(sched)
         proposing = time.monotonic()
-        num_drafted = self._propose(sched, run, result.num_accepted)
+        num_drafted = self._propose(sched, run, result.num_accepted, result.winners)
         proposed = time.monotonic()
         self.timing.target_s += verified - now
         self.timing.propose_s += proposed - proposing
@@ -338,6 +356,18 @@ class LLMEngine:
                 self._release(seq)
                 seq.metrics.finished_time = finished_at
         return [self._output(seq, kept, delta) for seq, kept, delta in updates]
+
+    def _settle_branches(self, sched: SchedulerOutput, winners: list[int], num_accepted: list[int]) -> None:
+        """Make a winning draft branch's KV the request's own; free every verified request's forks."""
+        if self.speculator is None or self.speculator.forker is None:
+            return
+        for item, winner, accepted in zip(sched.scheduled, winners, num_accepted, strict=True):
+            if winner:
+                fork = item.draft_branches[winner - 1].fork
+                # The newest token and the accepted drafts, in the fork's blocks.
+                self.speculator.forker.adopt(fork, item.seq.block_table, item.seq.num_computed_tokens + 1 + accepted)
+            if item.samples:
+                self.speculator.drop_branches(item.seq)
 
     def _update(
         self,
@@ -383,18 +413,23 @@ class LLMEngine:
             metrics.inter_token_latencies.extend([gap] * num_tokens)
         metrics.last_token_time = now
 
-    def _propose(self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int]) -> int:
+    def _propose(
+        self, sched: SchedulerOutput, run: ModelRunOutput, num_accepted: list[int], winners: list[int]
+    ) -> int:
         """Ask the proposer for the next step's drafts; return how many tokens it drafted.
 
         Every request the target ran is handed over, prefill chunks included, with its valid rows
-        of the step (the chunk, or the last accepted token and the accepted drafts).
+        of the step (the chunk, or the last accepted token and the accepted drafts, in the rows of
+        the draft branch that won verification where one did).
         """
         if self.speculator is None:
             return 0
         items: list[ProposeItem] = []
-        for item, accepted, rows, start in zip(
-            sched.scheduled, num_accepted, run.query_rows, run.start_positions, strict=True
+        for index, (item, accepted, rows, start) in enumerate(
+            zip(sched.scheduled, num_accepted, run.query_rows, run.start_positions, strict=True)
         ):
+            if winners[index]:
+                rows = run.branch_query_rows[index][winners[index] - 1]
             seq = item.seq
             if seq.is_finished:  # aborted while the step ran
                 continue

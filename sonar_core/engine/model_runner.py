@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,10 @@ class ModelRunOutput:
     query_rows: list[slice]  # per scheduled request, its rows of the flat batch (tokens, then drafts)
     start_positions: list[int]  # per scheduled request, the position of its first row
     hidden: TargetHiddenStates | None  # every row of the flat batch; None when no proposer asks
+    # Per scheduled request, per draft branch: its rows of ``logits`` and of the flat batch (the
+    # newest token again, then the branch's drafts), laid out like the request's own.
+    branch_logits_rows: list[list[slice]] = field(default_factory=list)
+    branch_query_rows: list[list[slice]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -70,6 +74,8 @@ class ModelRunner:
         logits_rows: list[slice] = []
         query_rows: list[slice] = []
         start_positions: list[int] = []
+        branch_logits_rows: list[list[slice]] = []
+        branch_query_rows: list[list[slice]] = []
         for item in sched.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -86,6 +92,17 @@ class ModelRunner:
                 num_rows = len(item.draft_token_ids) + 1
                 sample_index.extend(range(len(input_ids) - num_rows, len(input_ids)))
             logits_rows.append(slice(row_start, len(sample_index)))
+            branch_logits_rows.append([])
+            branch_query_rows.append([])
+            for branch in item.draft_branches:
+                branch_tokens = tokens[:1] + branch.token_ids
+                branch_logits_rows[-1].append(slice(len(sample_index), len(sample_index) + len(branch_tokens)))
+                branch_query_rows[-1].append(slice(len(input_ids), len(input_ids) + len(branch_tokens)))
+                sample_index.extend(range(len(input_ids), len(input_ids) + len(branch_tokens)))
+                input_ids.extend(branch_tokens)
+                query_lens.append(len(branch_tokens))
+                seq_lens.append(start + len(branch_tokens))
+                block_tables.append(branch.fork.block_table)
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.block_size, self.device
         )
@@ -95,7 +112,15 @@ class ModelRunner:
         hidden = self.model(ids, metadata.positions, self.kv_caches, metadata, capture=self.capture)
         index = torch.tensor(sample_index, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return ModelRunOutput(logits, logits_rows, query_rows, start_positions, self._hidden(hidden, len(input_ids)))
+        return ModelRunOutput(
+            logits,
+            logits_rows,
+            query_rows,
+            start_positions,
+            self._hidden(hidden, len(input_ids)),
+            branch_logits_rows,
+            branch_query_rows,
+        )
 
     def _state_batch(self, sched: SchedulerOutput, start_positions: list[int]) -> StateBatch:
         cache = self.state_cache

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from sonar_core.engine.block_manager import BlockManager, extend_block_hashes
 from sonar_core.engine.sequence import Sequence, SequenceStatus
+from sonar_core.spec_decode.proposer import DraftBranch
 
 
 @dataclass
@@ -23,10 +24,19 @@ class ScheduledSequence:
     # True when the chunk reaches the newest token, so the step samples for the request; False for
     # a chunk in the middle of a long prompt.
     samples: bool
+    # Draft branches verified beside the drafts, each as its own rows: the newest token again,
+    # then the branch's drafts, in the branch's KV fork (only with every draft and one new token).
+    draft_branches: list[DraftBranch] = field(default_factory=list)
 
     @property
     def num_query_tokens(self) -> int:
+        """The request's rows in its own blocks."""
         return self.num_new_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Every row the step runs for the request, its branches' included."""
+        return self.num_query_tokens + sum(1 + len(branch.token_ids) for branch in self.draft_branches)
 
 
 @dataclass
@@ -36,7 +46,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.scheduled)
+        return sum(s.num_rows for s in self.scheduled)
 
 
 class Scheduler:
@@ -103,7 +113,7 @@ class Scheduler:
             if item is None:
                 break
             out.scheduled.append(item)
-            budget -= item.num_query_tokens
+            budget -= item.num_rows
             index += 1
         if out.preempted:
             return out
@@ -129,7 +139,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(item)
-            budget -= item.num_query_tokens
+            budget -= item.num_rows
         if manager.enable_caching:
             for item in out.scheduled:
                 start = item.seq.num_computed_tokens
@@ -185,12 +195,18 @@ class Scheduler:
 
     @staticmethod
     def _fit(seq: Sequence, budget: int) -> ScheduledSequence:
-        """Take as many of the request's pending tokens as the budget allows; drafts come last."""
+        """Take as many of the request's pending tokens as the budget allows; drafts come last, and
+        draft branches only when all of them fit with every draft."""
         pending = seq.num_tokens - seq.num_computed_tokens
         num_new = min(pending, budget)
         reaches_end = num_new == pending
         drafts = seq.draft_token_ids[: budget - num_new] if reaches_end else []
-        return ScheduledSequence(seq=seq, num_new_tokens=num_new, draft_token_ids=drafts, samples=reaches_end)
+        item = ScheduledSequence(seq=seq, num_new_tokens=num_new, draft_token_ids=drafts, samples=reaches_end)
+        if seq.draft_branches and num_new == 1 and len(drafts) == len(seq.draft_token_ids):
+            item.draft_branches = seq.draft_branches
+            if item.num_rows > budget:
+                item.draft_branches = []
+        return item
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free a running request's blocks and queue it first for recomputation."""

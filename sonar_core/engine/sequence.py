@@ -13,6 +13,7 @@ import torch
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
 from sonar_core.outputs import ListView, RequestMetrics
 from sonar_core.sampling_params import SamplingParams
+from sonar_core.spec_decode.proposer import DraftBranch
 
 # sum() of floats compensates its rounding errors from Python 3.12 (Neumaier's algorithm).
 _COMPENSATED_SUM = sys.version_info >= (3, 12)
@@ -103,6 +104,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # [len(draft_token_ids), vocab] draft probabilities, or None for one-hot drafts.
     draft_probs: torch.Tensor | None = None
+    # Alternatives to the drafts, each in a KV fork (num_draft_branches > 1). Their blocks are the
+    # engine's to free (Speculator.drop_branches), so clear_drafts leaves them.
+    draft_branches: list[DraftBranch] = field(default_factory=list)
     # Tokens appended since the proposer last saw this request (it catches up over them).
     num_unproposed_tokens: int = 0
     finish_reason: str | None = None

@@ -9,10 +9,13 @@ import torch
 
 from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.engine.block_manager import BlockManager
+from sonar_core.engine.kv_forks import KVForker
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.proposer import (
+    DraftBranch,
     DraftProposal,
+    KVFork,
     ProposalRequest,
     ProposeBatch,
     Proposer,
@@ -46,6 +49,19 @@ class _WholeDraft:
     position: int
 
 
+def _checked_branches(branches: list[DraftBranch], drafts: list[int], request_id: str) -> list[DraftBranch]:
+    """A request's branches, after checking that they can be told apart from its drafts at the
+    first token (verification takes the chain whose first draft the target emits)."""
+    if not branches:
+        return []
+    if not drafts or any(not 0 < len(branch.token_ids) <= len(drafts) for branch in branches):
+        raise RuntimeError(f"request {request_id} got draft branches empty or longer than its own drafts")
+    firsts = [drafts[0]] + [branch.token_ids[0] for branch in branches]
+    if len(set(firsts)) != len(firsts):
+        raise RuntimeError(f"request {request_id}'s draft branches do not each start with a token of their own")
+    return branches
+
+
 def _drafting(items: list[ProposeItem]) -> list[int]:
     """Indices of the items that go on sampling next step (not mid-prefill, not finished)."""
     return [i for i, item in enumerate(items) if not item.partial_prefill and not item.finished]
@@ -70,6 +86,7 @@ class Speculator:
         adaptive_depth: bool = False,
         attention_backend: AttentionBackend | None = None,
         target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_draft_branches: int = 1,
     ) -> None:
         self.proposer = proposer
         self.attention_backend = attention_backend or get_backend(None)
@@ -87,6 +104,14 @@ class Speculator:
         self.depth = AdaptiveDepth(self.num_speculative_tokens) if adaptive_depth else None
         self._known: set[str] = set()
         self._free_drafts: dict[str, _WholeDraft] = {}
+        self.num_draft_branches = min(num_draft_branches, self.capabilities.max_draft_branches)
+        # Forks the proposer made this step, per request, until its branches take them.
+        self._forks: dict[str, list[KVFork]] = {}
+        self.forker: KVForker | None = None
+        if self.num_draft_branches > 1:
+            if target_kv_caches is None:
+                raise ValueError("draft branches need the target's KV caches, to fork them")
+            self.forker = KVForker(block_manager, target_kv_caches + kv_caches)
 
     def draft_budget(self, seq: Sequence, max_model_len: int) -> int:
         """How many drafts a request may get this step.
@@ -146,6 +171,7 @@ class Speculator:
                     is_finished=item.finished,
                     params=seq.params,
                     generator=seq.generator,
+                    max_draft_branches=self.num_draft_branches,
                 )
             )
             seq.num_unproposed_tokens = 0
@@ -156,9 +182,17 @@ class Speculator:
             device=self.device,
             target_hidden=hidden,
             target_kv_caches=self.target_kv_caches,
+            fork=self._fork if self.forker is not None else None,
         )
-        with self.attention_backend.active(self.device):
-            proposal = self.proposer.propose(batch)
+        try:
+            with self.attention_backend.active(self.device):
+                proposal = self.proposer.propose(batch)
+        except BaseException:
+            for forks in self._forks.values():
+                self._free_forks(forks)
+            self._forks = {}
+            raise
+        made, self._forks = self._forks, {}
         drafts = proposal.token_ids
         for request, tokens in zip(requests, drafts, strict=True):
             if len(tokens) > request.max_draft_tokens:
@@ -174,6 +208,50 @@ class Speculator:
             if proposal.probs is not None:
                 item.seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
             offset += len(tokens)
+        self._attach_branches(items, requests, proposal, made)
+
+    def _fork(self, request: ProposalRequest, count: int) -> list[KVFork]:
+        """ProposeBatch.fork: forks for the drafts after the request's newest token."""
+        assert self.forker is not None
+        count = min(count, request.max_draft_branches - 1) if request.max_draft_tokens > 0 else 0
+        if count <= 0 or request.request_id in self._forks:
+            return []
+        position = len(request.token_ids) - 1
+        forks = self.forker.fork(request.block_table, position, position + 1 + request.max_draft_tokens, count)
+        self._forks[request.request_id] = forks
+        return forks
+
+    def _attach_branches(
+        self,
+        items: list[ProposeItem],
+        requests: list[ProposalRequest],
+        proposal: DraftProposal,
+        made: dict[str, list[KVFork]],
+    ) -> None:
+        """Give each request the branches drafted for it; free the forks no branch took."""
+        for index, (item, request) in enumerate(zip(items, requests, strict=True)):
+            forks = made.pop(request.request_id, [])
+            branches = proposal.branches[index] if proposal.branches is not None else []
+            taken = {id(branch.fork) for branch in branches}
+            if not taken <= {id(fork) for fork in forks} or len(taken) != len(branches):
+                raise RuntimeError(
+                    f"proposer {type(self.proposer).__name__} returned a draft branch for request "
+                    f"{request.request_id} in a fork it was not given for it"
+                )
+            item.seq.draft_branches = _checked_branches(branches, item.seq.draft_token_ids, request.request_id)
+            self._free_forks([fork for fork in forks if id(fork) not in taken])
+        for forks in made.values():
+            self._free_forks(forks)
+
+    def drop_branches(self, seq: Sequence) -> None:
+        """Free the forks of a request's draft branches (after verification, or when it leaves)."""
+        self._free_forks([branch.fork for branch in seq.draft_branches])
+        seq.draft_branches = []
+
+    def _free_forks(self, forks: list[KVFork]) -> None:
+        if forks:
+            assert self.forker is not None
+            self.forker.free(forks)
 
     @property
     def _cuts_free_drafts(self) -> bool:
@@ -226,6 +304,7 @@ class Speculator:
         preempted ones are discarded, so that proposers learning across requests keep nothing of them.
         Returns the proposer's error for this request when it could not finish its work for it.
         """
+        self.drop_branches(seq)
         if self.depth is not None:
             self.depth.forget(seq.request_id)
         self._free_drafts.pop(seq.request_id, None)

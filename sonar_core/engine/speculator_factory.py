@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sonar_core.config import ResolvedSpeculativeConfig
+from sonar_core.config.speculative import FIELD
+from sonar_core.errors import ConfigError
 from sonar_core.plugins.manager import SonarPluginManager
 from sonar_core.spec_decode.proposer import Proposer, ProposerCapabilities, ProposerContext
 
@@ -29,9 +31,23 @@ def build_speculator(
 ) -> SpeculatorPlan:
     """The proposer for ``resolved``, built from ``context`` through the plugin hooks."""
     proposer = plugin_manager.create_proposer(resolved, context)
+    _check_branches(resolved, proposer.capabilities)
     return SpeculatorPlan(
         proposer=proposer,
         num_speculative_tokens=resolved.num_speculative_tokens,
         draft_max_model_len=resolved.draft_max_model_len or context.max_model_len,
         adaptive_depth=resolved.config.depth_policy == "auto",
     )
+
+
+def _check_branches(resolved: ResolvedSpeculativeConfig, capabilities: ProposerCapabilities) -> None:
+    """num_draft_branches needs a proposer that drafts branches."""
+    wanted = resolved.config.num_draft_branches
+    if wanted > capabilities.max_draft_branches:
+        raise ConfigError(
+            f"{FIELD}.num_draft_branches",
+            f"method {resolved.method} drafts at most {capabilities.max_draft_branches} chain(s) per request, "
+            f"got {wanted}",
+            "remove num_draft_branches, or use a method that drafts token by token from the target's states "
+            "(eagle, eagle3, mtp)",
+        )

@@ -90,6 +90,13 @@ class SamplingBatch:
             generators=[g for g, n in zip(self.generators, counts, strict=True) for _ in range(n)],
         )
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """Only ``rows`` (ascending, each once), as a batch of their own."""
+        if sorted(set(rows)) != rows:
+            raise ValueError(f"rows must be ascending and distinct, got {rows}")
+        chosen = set(rows)
+        return self.repeat_rows([1 if row in chosen else 0 for row in range(self.num_rows)])
+
 
 def processed_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """[R, V] float32 probabilities each row samples from (see the module docstring)."""

@@ -36,7 +36,9 @@ from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.spec_decode.draft_attention import DraftChain, first_pass_metadata
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import (
+    DraftBranch,
     DraftProposal,
+    KVFork,
     ProposalRequest,
     ProposeBatch,
     Proposer,
@@ -44,6 +46,9 @@ from sonar_core.spec_decode.proposer import (
     TargetHiddenStates,
     drafting_last_rows,
 )
+
+# Chains a request may draft per step: its own and the head's next best first tokens'.
+MAX_DRAFT_BRANCHES = 8
 
 
 class ChainDraftHead(nn.Module, ABC):
@@ -105,6 +110,7 @@ class ChainProposer(Proposer):
             returns_draft_probs=sampler.probabilistic,
             max_depth=max_depth,
             prefix_cache_lookahead=1,
+            max_draft_branches=MAX_DRAFT_BRANCHES,
         )
 
     @torch.inference_mode()
@@ -119,8 +125,13 @@ class ChainProposer(Proposer):
         if not drafting:
             return DraftProposal([[] for _ in batch.requests])
         last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
-        token_ids, probs = self._chain(batch, drafting, out.index_select(0, last), carry.index_select(0, last))
-        return DraftProposal.from_rows(batch.requests, drafting, token_ids, probs)
+        # Forked only now: the first pass wrote the draft KV that the forks copy.
+        forks = [batch.fork(r, r.max_draft_branches - 1) if batch.fork is not None else [] for r in drafting]
+        token_ids, probs = self._chain(batch, drafting, forks, out.index_select(0, last), carry.index_select(0, last))
+        proposal = DraftProposal.from_rows(batch.requests, drafting, token_ids[: len(drafting)], probs)
+        if any(forks):
+            proposal.branches = _branches(batch.requests, drafting, forks, token_ids[len(drafting) :], probs)
+        return proposal
 
     def _first_pass(self, batch: ProposeBatch, requests: list[ProposalRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every new target position; fills the draft KV of those positions."""
@@ -133,31 +144,74 @@ class ChainProposer(Proposer):
         return self.head(token_ids, hidden, metadata.positions, batch.kv_caches, metadata, 0)
 
     def _chain(
-        self, batch: ProposeBatch, requests: list[ProposalRequest], out: torch.Tensor, carry: torch.Tensor
+        self,
+        batch: ProposeBatch,
+        requests: list[ProposalRequest],
+        forks: list[list[KVFork]],
+        out: torch.Tensor,
+        carry: torch.Tensor,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Sample the first draft from ``out``, then chain the head; ``[R][k]`` ids and
-        ``[R, k, V]`` probabilities (probabilistic drafting)."""
-        sampling = self.sampler.batch_for(requests)
-        sample = self.sampler.sample(self.head.compute_logits(out), sampling)
-        steps_ids, steps_probs = [sample.token_ids], [sample.probs]
+        """Sample the first draft from ``out``, then chain the head; ``[R + B][k]`` ids and
+        ``[R + B, k, V]`` probabilities (probabilistic drafting): a row per request, then a row per
+        draft branch (request by request), whose first draft is the next best after the request's
+        and whose chain runs in its fork."""
+        logits = self.head.compute_logits(out)
+        sample = self.sampler.sample(logits, self.sampler.batch_for(requests))
+        first_ids, first_probs = sample.token_ids, sample.probs
+        owners = [i for i, request_forks in enumerate(forks) for _ in request_forks]
+        rows = requests + [requests[i] for i in owners]
+        tables = [r.block_table for r in requests] + [fork.block_table for request_forks in forks for fork in request_forks]
+        if owners:
+            alternatives = self.sampler.alternatives(logits, first_ids, [len(f) for f in forks])
+            branch_ids = [token for request_alternatives in alternatives for token in request_alternatives]
+            owner_index = torch.tensor(owners, dtype=torch.int64, device=carry.device)
+            first_ids = torch.cat([first_ids, torch.tensor(branch_ids, dtype=first_ids.dtype, device=first_ids.device)])
+            carry = torch.cat([carry, carry.index_select(0, owner_index)])
+            if first_probs is not None:
+                first_probs = torch.cat([first_probs, first_probs.index_select(0, owner_index.to(first_probs.device))])
+        sampling = self.sampler.batch_for(rows)
+        steps_ids, steps_probs = [first_ids], [first_probs]
         depth = max(r.max_draft_tokens for r in requests)
         if depth > 1:
             # The newest token sits at position len(token_ids) - 1; draft j (j >= 2) is predicted
             # from position len(token_ids) + j - 3.
             chain = DraftChain(
-                [len(r.token_ids) - 1 for r in requests],
-                [len(r.token_ids) + max(r.max_draft_tokens, 2) - 3 for r in requests],
-                [r.block_table for r in requests],
+                [len(r.token_ids) - 1 for r in rows],
+                [len(r.token_ids) + max(r.max_draft_tokens, 2) - 3 for r in rows],
+                tables,
                 batch.block_size,
                 batch.device,
             )
+            token_ids = first_ids
             for step in range(1, depth):
                 metadata = chain.metadata()
-                out, carry = self.head(sample.token_ids, carry, chain.positions, batch.kv_caches, metadata, step)
+                out, carry = self.head(token_ids, carry, chain.positions, batch.kv_caches, metadata, step)
                 sample = self.sampler.sample(self.head.compute_logits(out), sampling)
+                token_ids = sample.token_ids
                 steps_ids.append(sample.token_ids)
                 steps_probs.append(sample.probs)
                 chain.advance()
-        token_ids = torch.stack(steps_ids, dim=1).tolist()
+        token_rows = torch.stack(steps_ids, dim=1).tolist()
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
-        return token_ids, probs
+        return token_rows, probs
+
+
+def _branches(
+    requests: list[ProposalRequest],
+    drafting: list[ProposalRequest],
+    forks: list[list[KVFork]],
+    token_rows: list[list[int]],
+    probs: torch.Tensor | None,
+) -> list[list[DraftBranch]]:
+    """Per request of the batch, its draft branches from the chain's branch rows (request by
+    request after the requests' own rows), cut to its max_draft_tokens."""
+    by_id: dict[str, list[DraftBranch]] = {}
+    row = 0
+    for request, request_forks in zip(drafting, forks, strict=True):
+        branches = by_id.setdefault(request.request_id, [])
+        for fork in request_forks:
+            depth = request.max_draft_tokens
+            branch_probs = probs[len(drafting) + row, :depth] if probs is not None else None
+            branches.append(DraftBranch(token_rows[row][:depth], branch_probs, fork))
+            row += 1
+    return [by_id.get(request.request_id, []) for request in requests]

@@ -71,3 +71,15 @@ class DraftSampler:
             # probabilities and weight 1, so the same argmax picks their argmax.
             draft_ids = argmax_rows(probs * draw_race_weights(batch, probs.shape[-1], probs.device))
         return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs))
+
+    def alternatives(self, logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[list[int]]:
+        """The ``counts[i]`` most likely tokens of row ``i`` of ``[R, Vd]`` draft logits other than
+        its ``chosen`` draft (target ids): the first drafts of a request's draft branches."""
+        width = min(max(counts, default=0) + 1, logits.shape[-1])
+        if width <= 1:
+            return [[] for _ in counts]
+        ranked = self.vocab_map.to_target(logits.float().topk(width, dim=-1).indices).tolist()
+        return [
+            [token for token in row if token != first][:count]
+            for row, first, count in zip(ranked, chosen.tolist(), counts, strict=True)
+        ]

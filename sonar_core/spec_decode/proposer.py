@@ -17,7 +17,7 @@ One engine step with speculation::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -65,6 +65,10 @@ class ProposerCapabilities:
     reads_target_kv: bool = False
     # Largest draft depth the proposer supports; None means num_speculative_tokens decides.
     max_depth: int | None = None
+    # Most draft branches per request (speculative_config.num_draft_branches): besides its own
+    # chain, a request may get alternatives to its first draft, each continued as a chain of its
+    # own and verified beside it in a KV fork of the request (ProposeBatch.fork). 1: chains only.
+    max_draft_branches: int = 1
     # True: propose() drafts at next to no cost however long the drafts (prompt lookup, suffix
     # decoding), its drafts are one-hot (no probs), and DraftProposal.sources labels what each
     # request's drafts rest on. With depth_policy "auto" the engine then asks for whole budgets,
@@ -91,6 +95,8 @@ class ProposerCapabilities:
             raise ValueError(f"prefix_cache_lookahead must be None or >= 0, got {self.prefix_cache_lookahead}")
         if self.free_drafts and self.returns_draft_probs:
             raise ValueError("free_drafts drafts are one-hot: a proposer cannot declare it with returns_draft_probs")
+        if self.max_draft_branches < 1:
+            raise ValueError(f"max_draft_branches must be at least 1, got {self.max_draft_branches}")
 
     @property
     def reads_target_hidden(self) -> bool:
@@ -162,10 +168,40 @@ class ProposalRequest:
     params: SamplingParams | None = None
     # The request's random generator when it is seeded (probabilistic drafting stays reproducible).
     generator: torch.Generator | None = None
+    # Chains the request may get this step, its own included (see KVFork); 1: no branches.
+    max_draft_branches: int = 1
 
     @property
     def num_hidden_rows(self) -> int:
         return self.hidden_rows.stop - self.hidden_rows.start
+
+
+@dataclass
+class KVFork:
+    """A copy-on-write view of a request's KV blocks that a draft branch is drafted and verified in.
+
+    ``block_table`` shares the request's blocks before the one holding its newest token and has
+    blocks of its own (``own_blocks``) from there on, the filled part of the first one copied in
+    every layer (the target's and the proposer's). Whatever a branch writes at the request's newest
+    position and after stays in the fork; the engine copies a fork that won verification back into
+    the request's blocks and frees every fork after the step.
+    """
+
+    block_table: list[int]
+    own_blocks: list[int]
+    # Index in block_table of the first own block.
+    first_own: int
+
+
+@dataclass
+class DraftBranch:
+    """An alternative chain of drafts for one request: its first token differs from the request's
+    own first draft and from every other branch's."""
+
+    token_ids: list[int]
+    # [len(token_ids), vocab] draft probabilities (probabilistic drafting), or None (one-hot).
+    probs: torch.Tensor | None
+    fork: KVFork
 
 
 @dataclass
@@ -183,6 +219,10 @@ class ProposeBatch:
     target_hidden: TargetHiddenStates | None = None
     # The target's own KV caches (in its kv_cache_specs order), when the capabilities ask for them.
     target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # fork(request, n): up to n KV forks of a request whose max_draft_branches > 1 (fewer when the
+    # cache is short of blocks), made from its KV as it stands, so a proposer forks after writing
+    # its own KV of the step's new positions. None when branching is off.
+    fork: Callable[[ProposalRequest, int], list[KVFork]] | None = None
 
     def last_row_index(self, requests: list[ProposalRequest]) -> torch.Tensor:
         """``[R]`` int64: each request's last valid row of ``target_hidden`` (its newest position
@@ -221,6 +261,8 @@ class DraftProposal:
     # Per request, what its drafts rest on (prompt lookup: the matched n-gram length), for
     # proposers that declare free_drafts; auto depth learns acceptance per source.
     sources: list[Hashable] | None = None
+    # Per request, its draft branches (each in a fork from ProposeBatch.fork), when any.
+    branches: list[list[DraftBranch]] | None = None
 
     @classmethod
     def from_rows(

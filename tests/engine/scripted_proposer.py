@@ -8,6 +8,7 @@ Built with ``{"method": "custom_class", "custom_class": "<this file>:ScriptedPro
 from __future__ import annotations
 
 from sonar_core.spec_decode.proposer import (
+    DraftBranch,
     DraftProposal,
     ProposeBatch,
     Proposer,
@@ -41,3 +42,42 @@ class ScriptedProposer(Proposer):
                 draft[wrong] = (draft[wrong] + 1) % self.vocab_size
             drafts.append(draft)
         return DraftProposal(token_ids=drafts)
+
+
+class BranchingScriptedProposer(Proposer):
+    """Drafts ``1 + branches`` chains per request in KV forks: the right continuation sits in the
+    chain at index ``len(tokens) % (branches + 2)`` (0: the request's own chain; ``branches + 1``:
+    no chain starts right), with a wrong token at index ``(len(tokens) // (branches + 2)) %
+    (max_draft_tokens + 1)`` of it; every other chain starts with a wrong token of its own. So
+    verification takes each chain and accepts 0, some and all of its drafts in turn."""
+
+    capabilities = ProposerCapabilities(max_draft_branches=8)
+
+    def __init__(self, context: ProposerContext, continuations: list[list[int]], branches: int) -> None:
+        self.continuations = [list(tokens) for tokens in continuations]
+        self.vocab_size = context.target_hf_config.vocab_size
+        self.branches = branches
+
+    def propose(self, batch: ProposeBatch) -> DraftProposal:
+        drafts: list[list[int]] = []
+        branches: list[list[DraftBranch]] = []
+        for request in batch.requests:
+            tokens = list(request.token_ids)
+            expected = next((c for c in self.continuations if c[: len(tokens)] == tokens), None)
+            right = expected[len(tokens) : len(tokens) + request.max_draft_tokens] if expected else []
+            if not right:
+                drafts.append([])
+                branches.append([])
+                continue
+            assert batch.fork is not None
+            forks = batch.fork(request, self.branches)
+            wrong = (len(tokens) // (self.branches + 2)) % (request.max_draft_tokens + 1)
+            if wrong < len(right):
+                right[wrong] = (right[wrong] + 1) % self.vocab_size
+            chains = [[(right[0] + 2 + i) % self.vocab_size] + right[1:] for i in range(len(forks) + 1)]
+            where = len(tokens) % (self.branches + 2)
+            if where <= len(forks):
+                chains[where] = right
+            drafts.append(chains[0])
+            branches.append([DraftBranch(chain, None, fork) for chain, fork in zip(chains[1:], forks, strict=True)])
+        return DraftProposal(token_ids=drafts, branches=branches)

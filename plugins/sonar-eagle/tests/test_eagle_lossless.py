@@ -49,6 +49,19 @@ def test_greedy_output_equals_plain_output(head, batch, depth, target, make_head
 
 
 @pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])
+@pytest.mark.parametrize(("batch", "depth", "branches"), [(1, 1, 3), (8, 3, 2), (8, 4, 3)])
+def test_draft_branches_keep_greedy_output(head, batch, depth, branches, target, make_head, reference):
+    """Each request's chain and its branches (the head's next best first tokens) are verified side
+    by side in KV forks; whichever the target follows, the output is the plain one."""
+    options = HEADS[head]
+    config = {"method": options["method"], "model": str(make_head(target, **options)),
+              "num_speculative_tokens": depth, "num_draft_branches": branches}
+    tokens, llm = _generate(target, config, max_num_seqs=batch, block_size=4)
+    assert tokens == reference
+    assert llm.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])
 def test_chunked_prefill_keeps_greedy_output(head, target, make_head, reference):
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3}

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aphrodite import LLM
 from sonar_core.testing.eagle_heads import build_eagle_head
 from sonar_core.testing.losslessness import (
     assert_follows_target_distribution,
@@ -66,6 +67,22 @@ def test_sampled_output_follows_the_target_distribution(constant_target, tmp_pat
     summary = llm.get_spec_decode_metrics()
     # Drafts came from a different but overlapping distribution: about half were accepted.
     assert 0.2 < summary.acceptance_rate < 0.8
+    assert_follows_target_distribution(results)
+
+
+@pytest.mark.parametrize("draft_sample_method", ["probabilistic", "greedy"])
+def test_sampled_output_with_draft_branches_follows_the_target_distribution(
+    constant_target, tmp_path, draft_sample_method
+):
+    """With branches, a request's first token is drawn from the target and picks the chain that
+    starts with it: the output follows the target however the first drafts were chosen."""
+    head = _matching_head(constant_target, tmp_path / "head", lm_head_noise=0.05)
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "num_draft_branches": 3,
+              "draft_sample_method": draft_sample_method}
+    llm = LLM(model=str(constant_target), dtype="float32", device="cpu", max_num_seqs=256, speculative_config=config)
+    results = sampled_output_distances(llm, top_k=TOP_K)
+    # Three first drafts out of the four tokens the target samples from: most first tokens match.
+    assert llm.get_spec_decode_metrics().per_position_acceptance_rate[0] > 0.6
     assert_follows_target_distribution(results)
 
 

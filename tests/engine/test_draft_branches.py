@@ -1,0 +1,136 @@
+"""Draft branches: a request's chain and its alternatives, each in a KV fork, verified side by side.
+
+A scripted proposer (scripted_proposer.py) puts the right continuation in the request's own chain,
+in one of its branches or in none, in turn, with a wrong draft at a varying depth: greedy output
+must equal plain output token for token whichever chain wins and however much of it is accepted,
+with chunked prefill, preemption, aborts and the prefix cache, and every KV block must come back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aphrodite import LLM, SamplingParams
+from sonar_core.engine import verifier as verifier_module
+from sonar_core.engine.kv_budget import bytes_per_block
+from sonar_core.errors import ConfigError
+from sonar_core.kv import KVLayerSpec
+from sonar_core.testing.checkpoints import build_tiny_checkpoint
+from sonar_core.testing.losslessness import greedy_outputs, random_prompts
+
+BRANCHING = str(Path(__file__).with_name("scripted_proposer.py")) + ":BranchingScriptedProposer"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("branches"), "llama", num_layers=2)
+
+
+def _prompts() -> list[list[int]]:
+    return random_prompts(6, seed=3, vocab=500, max_len=30)
+
+
+@pytest.fixture(scope="module")
+def plain(target: Path) -> list[list[int]]:
+    return greedy_outputs(target, _prompts(), max_tokens=MAX_TOKENS)[0]
+
+
+def _config(plain: list[list[int]], depth: int, branches: int) -> dict:
+    continuations = [prompt + output for prompt, output in zip(_prompts(), plain, strict=True)]
+    return {"method": "custom_class", "custom_class": BRANCHING, "num_speculative_tokens": depth,
+            "num_draft_branches": branches + 1, "options": {"continuations": continuations, "branches": branches}}
+
+
+@pytest.fixture
+def winners(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every verified request's winning chain (0: its own, b: branch b - 1), as steps go."""
+    seen: list[int] = []
+    call = verifier_module.Verifier.__call__
+
+    def recording(self, run, scheduled):
+        result = call(self, run, scheduled)
+        seen.extend(w for w, item in zip(result.winners, scheduled, strict=True) if item.draft_branches)
+        return result
+
+    monkeypatch.setattr(verifier_module.Verifier, "__call__", recording)
+    return seen
+
+
+@pytest.mark.parametrize(("depth", "branches", "batch"), [(1, 1, 1), (3, 2, 4), (5, 2, 6), (4, 3, 3)])
+def test_greedy_output_equals_plain_whichever_chain_wins(target, plain, winners, depth, branches, batch):
+    outputs, llm = greedy_outputs(
+        target, _prompts(), _config(plain, depth, branches), max_tokens=MAX_TOKENS, max_num_seqs=batch, block_size=4
+    )
+    assert outputs == plain
+    assert set(winners) == set(range(branches + 1)), "every chain won some step"
+    stats = llm.engine.spec_stats
+    assert all(stats.num_accepted_tokens_per_pos)
+
+
+def test_branches_that_do_not_fit_the_step_are_left_out(target, plain, winners):
+    """A step of 8 tokens cannot take a request's drafts and its branches: chunked prefill and
+    partial steps verify the request's own chain only, and the output stays the same."""
+    outputs, _ = greedy_outputs(
+        target, _prompts(), _config(plain, 3, 2), max_tokens=MAX_TOKENS, max_num_seqs=4, max_num_batched_tokens=8
+    )
+    assert outputs == plain
+
+
+def test_preemption_frees_the_forks_and_keeps_the_output(target, plain):
+    # Two layers of 2 KV heads x 16 dims (the tiny target), fp32, blocks of 4 tokens: 24 blocks
+    # hold about two requests, so later ones preempt earlier ones.
+    per_block = bytes_per_block([KVLayerSpec(2, 16)] * 2, 4, torch.float32)
+    outputs, llm = greedy_outputs(
+        target, _prompts(), _config(plain, 4, 2), max_tokens=MAX_TOKENS, max_num_seqs=6, block_size=4,
+        max_model_len=64, kv_cache_memory_gb=24 * per_block / 2**30,
+    )
+    assert outputs == plain
+    assert llm.engine.num_preemptions > 0
+
+
+def test_aborted_requests_free_their_forks(target, plain):
+    llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4,
+              speculative_config=_config(plain, 3, 2))
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in _prompts()]
+    finished: dict[str, list[int]] = {}
+    for step in range(100):
+        if step == 2:
+            for request_id in ids[::2]:
+                engine.abort_request(request_id)
+        for out in engine.step():
+            if out.finished and out.outputs[0].finish_reason != "abort":
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {ids[i]: plain[i] for i in range(1, len(ids), 2)}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_logprobs_come_from_the_winning_chain(target, plain):
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    reference = LLM(model=str(target), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4, speculative_config=_config(plain, 3, 2))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for got, want in zip(outputs, reference, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == pytest.approx(want.outputs[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("branches", [0, -1])
+def test_a_branch_count_below_one_names_the_field(target, branches):
+    with pytest.raises(ConfigError, match="num_draft_branches"):
+        LLM(model=str(target), device="cpu",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": branches})
+
+
+def test_a_method_without_branches_refuses_them(target):
+    with pytest.raises(ConfigError, match="num_draft_branches.*eagle3"):
+        LLM(model=str(target), device="cpu",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": 2})
