@@ -51,6 +51,9 @@ class RowSpec:
         depth = self.options.get("num_speculative_tokens")
         if depth is not None:
             parts.append(f"k={depth}")
+        branches = self.options.get("num_draft_branches")
+        if branches not in (None, 1):
+            parts.append(f"x{branches}")
         lookup = _lookup_bounds(self.options)
         if lookup:
             parts.append(lookup)

@@ -198,17 +198,13 @@ class LLMEngine:
             return MirroredStateCache(self.workers, TARGET, specs, num_slots, positions, self.dtype, self.device)
         return RecurrentStateCache(specs, num_slots, positions, self.dtype, self.device)
 
-    def _check_branching(self, has_recurrent_state: bool) -> None:
-        """Draft branches fork the request's KV on the driver: not with a split target, nor with
-        recurrent states (one state per request, not per chain)."""
-        reason = (
-            "the target is split over several ranks" if self.workers is not None
-            else "the target keeps recurrent states (linear attention)" if has_recurrent_state else None
-        )
-        if reason is not None:
+    @staticmethod
+    def _check_branching(has_recurrent_state: bool) -> None:
+        """Draft branches need a KV fork per chain; a recurrent state is one per request."""
+        if has_recurrent_state:
             raise ConfigError(
                 "speculative_config.num_draft_branches",
-                f"draft branches are not supported when {reason}",
+                "draft branches are not supported when the target keeps recurrent states (linear attention)",
                 "remove num_draft_branches (one chain per request)",
             )
 

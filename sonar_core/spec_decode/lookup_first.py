@@ -55,7 +55,10 @@ class LookupFirstProposer(Proposer):
         )
         proposal = self.head.propose(head_batch)
         token_ids = [drafts or head for drafts, head in zip(looked_up, proposal.token_ids, strict=True)]
-        return DraftProposal(token_ids, self._probs(proposal, looked_up, token_ids, batch.device))
+        # Only requests the head drafted for have branches (each in a fork made for the head's request).
+        return DraftProposal(
+            token_ids, self._probs(proposal, looked_up, token_ids, batch.device), branches=proposal.branches
+        )
 
     def _head_limit(self, request: ProposalRequest) -> int:
         if self.head_depth is None:

@@ -114,3 +114,14 @@ def test_rows_that_differ_in_depth_policy_have_distinct_labels():
         include_plain=False,
     )
     assert (fixed.label, auto.label) == ("sonar ngram k=5", "sonar ngram k=5 depth=auto")
+
+
+def test_rows_with_draft_branches_say_how_many_chains():
+    chain, branches = sonar_rows(
+        [
+            {"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 1},
+            {"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 3},
+        ],
+        include_plain=False,
+    )
+    assert (chain.label, branches.label) == ("sonar eagle3 k=4", "sonar eagle3 k=4 x3")

@@ -142,6 +142,15 @@ def test_a_hybrid_checkpoint_is_refused_as_a_draft_model(hybrid):
         validate_config({"model": str(hybrid), "speculative_config": speculative}, get_plugin_manager())
 
 
+def test_draft_branches_are_refused_on_a_hybrid_target(hybrid):
+    """A request has one recurrent state, not one per chain: branches cannot be verified."""
+    from sonar_core.errors import ConfigError
+
+    speculative = {"method": "mtp", "num_speculative_tokens": 2, "num_draft_branches": 2}
+    with pytest.raises(ConfigError, match="num_draft_branches.*recurrent states"):
+        LLM(model=str(hybrid), dtype="float32", device="cpu", speculative_config=speculative)
+
+
 @pytest.mark.parametrize("method", ["mtp", "qwen3_next_mtp"])
 def test_the_guides_mtp_example_at_tiny_scale(hybrid, method):
     params = SamplingParams(temperature=0.0, max_tokens=32)

@@ -204,6 +204,17 @@ def test_an_architecture_that_cannot_split_is_refused(tmp_path: Path):
     assert "--data-parallel-size" in info.value.fix
 
 
+def test_draft_branches_are_refused_on_a_split_target(qwen3: Path):
+    from sonar_core.config import validate_config
+    from sonar_core.plugins import get_plugin_manager
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "num_draft_branches": 2}
+    with pytest.raises(ConfigError) as info:
+        validate_config({"model": str(qwen3), "tensor_parallel_size": 2, "speculative_config": speculative},
+                        get_plugin_manager())
+    assert info.value.field == "speculative_config.num_draft_branches"
+
+
 def test_a_split_draft_must_divide_too(qwen3: Path, tmp_path: Path):
     from aphrodite import LLM
 

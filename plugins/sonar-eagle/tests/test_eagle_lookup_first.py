@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.engine.speculator import Speculator
 from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.lookup_first import LookupFirstProposer
 from sonar_core.spec_decode.prompt_lookup import LookupBounds
@@ -47,7 +48,8 @@ def _generate(target: Path, speculative_config=None) -> tuple[list[list[int]], L
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-def test_greedy_output_equals_plain_output(target, make_head, monkeypatch):
+@pytest.mark.parametrize("branches", [1, 3])
+def test_greedy_output_equals_plain_output(target, make_head, monkeypatch, branches):
     sources = {"lookup": 0, "head": 0}
     look_up = LookupFirstProposer._look_up
 
@@ -59,9 +61,20 @@ def test_greedy_output_equals_plain_output(target, make_head, monkeypatch):
 
     monkeypatch.setattr(LookupFirstProposer, "_look_up", counting)
     head = make_head(target, method="eagle3", layout="speculators", draft_vocab_size=128)
-    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 6, "prompt_lookup_max": 3}
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 6, "prompt_lookup_max": 3,
+              "num_draft_branches": branches}
+    branched: list[int] = []
+    drop = Speculator.drop_branches
+
+    def recording(self, seq):
+        branched.append(len(seq.draft_branches))
+        drop(self, seq)
+
+    monkeypatch.setattr(Speculator, "drop_branches", recording)
     tokens, llm = _generate(target, config)
     assert tokens == _generate(target)[0]
+    # The head's drafts came with their branches; the lookup's never do.
+    assert max(branched) == branches - 1
     assert isinstance(llm.engine.speculator.proposer, LookupFirstProposer)
     # Both sources drafted: the copying prompts through the lookup, the others through the head.
     assert sources["lookup"] > 0 and sources["head"] > 0
