@@ -14,6 +14,11 @@ A :class:`ChainDraftHead` turns ``(token, hidden)`` pairs into a draft hidden st
    further, with every step's metadata worked out once per chain
    (:class:`~sonar_core.spec_decode.draft_attention.DraftChain`).
 
+With draft branches (``num_draft_branches`` > 1) a drafting request also gets the head's next best
+first tokens, each continued as a chain of its own in a KV fork of the request
+(``ProposeBatch.fork``, made after the first pass so the forks hold this step's draft KV); the
+branches are rows of the same chained steps.
+
 Draft ids stay on the device for the whole chain and are read back once. The proposer keeps no
 per-request state: every step's first pass starts from the target's states, so preemption,
 recomputation and aborts need nothing from it.
