@@ -36,13 +36,18 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
     return first, [other_next, *same_next]
 
 
+@pytest.mark.parametrize("branches", [1, 3], ids=["chain", "branches"])
 @pytest.mark.parametrize("first_tokens", [12, 1], ids=["cached-while-running", "cached-as-it-ends"])
 @pytest.mark.parametrize("head", list(HEADS))
-def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, first_tokens, target, make_head):
+def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(
+    head, first_tokens, branches, target, make_head
+):
     """With one new token the first request ends in the step that prefills it, the step that also
-    caches its blocks: the proposer must write their draft KV although the request is done."""
+    caches its blocks: the proposer must write their draft KV although the request is done. With
+    draft branches, a fork copied back over the request's blocks must leave them as a chain would."""
     options = HEADS[head]
-    config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3}
+    config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
+              "num_draft_branches": branches}
     engines = {
         caching: LLM(model=str(target), dtype="float32", device="cpu", block_size=BLOCK, speculative_config=config,
                      enable_prefix_caching=caching)
@@ -58,9 +63,10 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(head, f
     assert cached_engine.get_spec_decode_metrics().num_draft_tokens > 0
 
 
-def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head):
+@pytest.mark.parametrize(("branches", "step_tokens"), [(1, 12), (3, 20)], ids=["chain", "branches"])
+def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head, branches, step_tokens):
     head = make_head(target, **HEADS["eagle3"])
-    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "num_draft_branches": branches}
     first, followers = _prompts()
     prompts = [first, *followers] * 2
 
@@ -73,6 +79,6 @@ def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head):
 
     reference, _ = outputs(False)
     # Chunked prefill: later requests join while the first one's blocks fill.
-    tokens, llm = outputs(True, max_num_seqs=3, max_num_batched_tokens=12)
+    tokens, llm = outputs(True, max_num_seqs=3, max_num_batched_tokens=step_tokens)
     assert tokens == reference
     assert llm.engine.prefix_cache_hits > 0
