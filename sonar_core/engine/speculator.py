@@ -49,6 +49,11 @@ class _WholeDraft:
     position: int
 
 
+# Most target rows a step verifies with draft branches in it (the rows one pass of the CPU's
+# matrix tiles takes at no extra cost on AMX: one request's three chains of four).
+BRANCH_ROW_LIMIT = 16
+
+
 def _checked_branches(branches: list[DraftBranch], drafts: list[int], request_id: str) -> list[DraftBranch]:
     """A request's branches, after checking that they can be told apart from its drafts at the
     first token (verification takes the chain whose first draft the target emits)."""
@@ -171,10 +176,10 @@ class Speculator:
                     is_finished=item.finished,
                     params=seq.params,
                     generator=seq.generator,
-                    max_draft_branches=self.num_draft_branches,
                 )
             )
             seq.num_unproposed_tokens = 0
+        self._allot_branches(requests)
         batch = ProposeBatch(
             requests=requests,
             block_size=self.block_manager.block_size,
@@ -209,6 +214,21 @@ class Speculator:
                 item.seq.draft_probs = proposal.probs[offset : offset + len(tokens)]
             offset += len(tokens)
         self._attach_branches(items, requests, proposal, made)
+
+    def _allot_branches(self, requests: list[ProposalRequest]) -> None:
+        """Give draft branches to drafting requests, in order, while the next step's verified rows
+        (every drafting request's newest token and drafts, and the branches given) stay within
+        BRANCH_ROW_LIMIT: a branch pays while its rows cost little more than the step already does,
+        not once the step is large (several concurrent requests)."""
+        if self.num_draft_branches == 1:
+            return
+        drafting = [r for r in requests if r.max_draft_tokens > 0]
+        rows = sum(1 + r.max_draft_tokens for r in drafting)
+        for request in drafting:
+            chain_rows = 1 + request.max_draft_tokens
+            extra = min(self.num_draft_branches - 1, max(BRANCH_ROW_LIMIT - rows, 0) // chain_rows)
+            request.max_draft_branches = 1 + extra
+            rows += extra * chain_rows
 
     def _fork(self, request: ProposalRequest, count: int) -> list[KVFork]:
         """ProposeBatch.fork: forks for the drafts after the request's newest token."""

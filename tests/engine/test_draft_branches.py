@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine import verifier as verifier_module
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.errors import ConfigError
@@ -46,6 +47,12 @@ def _config(plain: list[list[int]], depth: int, branches: int) -> dict:
 
 
 @pytest.fixture
+def any_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Branches for every drafting request however many rows the step verifies."""
+    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)
+
+
+@pytest.fixture
 def winners(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every verified request's winning chain (0: its own, b: branch b - 1), as steps go."""
     seen: list[int] = []
@@ -61,7 +68,9 @@ def winners(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize(("depth", "branches", "batch"), [(1, 1, 1), (3, 2, 4), (5, 2, 6), (4, 3, 3)])
-def test_greedy_output_equals_plain_whichever_chain_wins(target, plain, winners, depth, branches, batch):
+def test_greedy_output_equals_plain_whichever_chain_wins(
+    target, plain, winners, any_step_size, depth, branches, batch
+):
     outputs, llm = greedy_outputs(
         target, _prompts(), _config(plain, depth, branches), max_tokens=MAX_TOKENS, max_num_seqs=batch, block_size=4
     )
@@ -71,7 +80,7 @@ def test_greedy_output_equals_plain_whichever_chain_wins(target, plain, winners,
     assert all(stats.num_accepted_tokens_per_pos)
 
 
-def test_branches_that_do_not_fit_the_step_are_left_out(target, plain, winners):
+def test_branches_that_do_not_fit_the_step_are_left_out(target, plain, any_step_size):
     """A step of 8 tokens cannot take a request's drafts and its branches: chunked prefill and
     partial steps verify the request's own chain only, and the output stays the same."""
     outputs, _ = greedy_outputs(
@@ -80,7 +89,7 @@ def test_branches_that_do_not_fit_the_step_are_left_out(target, plain, winners):
     assert outputs == plain
 
 
-def test_preemption_frees_the_forks_and_keeps_the_output(target, plain):
+def test_preemption_frees_the_forks_and_keeps_the_output(target, plain, any_step_size):
     # Two layers of 2 KV heads x 16 dims (the tiny target), fp32, blocks of 4 tokens: 24 blocks
     # hold about two requests, so later ones preempt earlier ones.
     per_block = bytes_per_block([KVLayerSpec(2, 16)] * 2, 4, torch.float32)
@@ -92,7 +101,7 @@ def test_preemption_frees_the_forks_and_keeps_the_output(target, plain):
     assert llm.engine.num_preemptions > 0
 
 
-def test_aborted_requests_free_their_forks(target, plain):
+def test_aborted_requests_free_their_forks(target, plain, any_step_size):
     llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4,
               speculative_config=_config(plain, 3, 2))
     engine = llm.engine
@@ -112,7 +121,28 @@ def test_aborted_requests_free_their_forks(target, plain):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_logprobs_come_from_the_winning_chain(target, plain):
+def test_branches_go_to_the_first_requests_while_the_step_stays_small(target, plain, monkeypatch):
+    """Two requests of 3 drafts verify 8 rows; 16 leave room for the first one's two branches."""
+    steps: list[tuple[int, int]] = []  # per step with branches: (verified rows, requests with branches)
+    call = verifier_module.Verifier.__call__
+
+    def recording(self, run, scheduled):
+        drafting = [item for item in scheduled if item.draft_token_ids]
+        if any(item.draft_branches for item in drafting):
+            steps.append((sum(item.num_rows for item in drafting), sum(bool(item.draft_branches) for item in drafting)))
+        return call(self, run, scheduled)
+
+    monkeypatch.setattr(verifier_module.Verifier, "__call__", recording)
+    prompts = _prompts()[:2]
+    outputs, _ = greedy_outputs(
+        target, prompts, _config(plain, 3, 2), max_tokens=MAX_TOKENS, max_num_seqs=2, block_size=4
+    )
+    assert outputs == plain[:2]
+    assert steps and all(rows <= speculator_module.BRANCH_ROW_LIMIT for rows, _ in steps)
+    assert (16, 1) in steps
+
+
+def test_logprobs_come_from_the_winning_chain(target, plain, any_step_size):
     prompts = _prompts()[:3]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     reference = LLM(model=str(target), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine.speculator import Speculator
 from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.lookup_first import LookupFirstProposer
@@ -71,6 +72,7 @@ def test_greedy_output_equals_plain_output(target, make_head, monkeypatch, branc
         drop(self, seq)
 
     monkeypatch.setattr(Speculator, "drop_branches", recording)
+    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all eight requests
     tokens, llm = _generate(target, config)
     assert tokens == _generate(target)[0]
     # The head's drafts came with their branches; the lookup's never do.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.kv import KVLayerSpec
 from sonar_core.testing.losslessness import random_prompts
@@ -50,9 +51,11 @@ def test_greedy_output_equals_plain_output(head, batch, depth, target, make_head
 
 @pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])
 @pytest.mark.parametrize(("batch", "depth", "branches"), [(1, 1, 3), (8, 3, 2), (8, 4, 3)])
-def test_draft_branches_keep_greedy_output(head, batch, depth, branches, target, make_head, reference):
+def test_draft_branches_keep_greedy_output(head, batch, depth, branches, target, make_head, reference, monkeypatch):
     """Each request's chain and its branches (the head's next best first tokens) are verified side
-    by side in KV forks; whichever the target follows, the output is the plain one."""
+    by side in KV forks; whichever the target follows, the output is the plain one. Every drafting
+    request gets its branches, however many rows a step verifies."""
+    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)),
               "num_speculative_tokens": depth, "num_draft_branches": branches}

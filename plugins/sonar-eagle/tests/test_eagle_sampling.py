@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aphrodite import LLM
+from sonar_core.engine import speculator as speculator_module
 from sonar_core.testing.eagle_heads import build_eagle_head
 from sonar_core.testing.losslessness import (
     assert_follows_target_distribution,
@@ -72,10 +73,11 @@ def test_sampled_output_follows_the_target_distribution(constant_target, tmp_pat
 
 @pytest.mark.parametrize("draft_sample_method", ["probabilistic", "greedy"])
 def test_sampled_output_with_draft_branches_follows_the_target_distribution(
-    constant_target, tmp_path, draft_sample_method
+    constant_target, tmp_path, draft_sample_method, monkeypatch
 ):
     """With branches, a request's first token is drawn from the target and picks the chain that
     starts with it: the output follows the target however the first drafts were chosen."""
+    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all 256 requests
     head = _matching_head(constant_target, tmp_path / "head", lm_head_noise=0.05)
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "num_draft_branches": 3,
               "draft_sample_method": draft_sample_method}
