@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aphrodite import LLM
+from sonar_core.engine import speculator as speculator_module
 from sonar_core.errors import ConfigError
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
 from sonar_core.testing.losslessness import (
@@ -63,6 +64,16 @@ def test_the_target_runs_without_speculation_and_its_mtp_tensors_stay_unread(mim
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_output_equals_plain_output(depth, batch, mimo, reference):
     tokens, llm = greedy_outputs(mimo, _prompts(), {"method": "mtp", "num_speculative_tokens": depth}, max_num_seqs=batch)
+    assert tokens == reference
+    assert llm.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_draft_branches_keep_greedy_output(depth, mimo, reference, monkeypatch):
+    """Chains from the MTP layer's next best first tokens, verified beside the request's chain."""
+    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all eight requests
+    config = {"method": "mtp", "num_speculative_tokens": depth, "num_draft_branches": 3}
+    tokens, llm = greedy_outputs(mimo, _prompts(), config, max_num_seqs=8, block_size=4)
     assert tokens == reference
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
 
