@@ -113,6 +113,7 @@ class LLMEngine:
             )
             plan = build_speculator(speculative, context, plugin_manager)
             self._say_where_the_draft_runs(speculative.config)
+            self._say_when_branches_cost(speculative.config)
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         state_specs = self.model.state_specs()
@@ -206,6 +207,22 @@ class LLMEngine:
                 "speculative_config.num_draft_branches",
                 "draft branches are not supported when the target keeps recurrent states (linear attention)",
                 "remove num_draft_branches (one chain per request)",
+            )
+
+    def _say_when_branches_cost(self, speculative: SpeculativeConfig) -> None:
+        """Draft branches pay where extra verified rows cost next to nothing: on the CPU, in
+        bfloat16 on AMX tiles. Elsewhere they measured slower than a chain (docs/performance.md)."""
+        if speculative.num_draft_branches == 1 or self.device.type != "cpu":
+            return
+        ops = cpu_kernels.load() if self.dtype in cpu_kernels.SKINNY_DTYPES else None
+        path = ops.skinny_linear_path(self.dtype) if ops is not None else "PyTorch's"
+        if path != "amx":
+            logger.warning(
+                "speculative_config.num_draft_branches=%d: this CPU verifies %s rows with %s matmuls, not AMX "
+                "tiles, and every branch adds num_speculative_tokens + 1 rows; branches measured slower than a "
+                "single chain there (docs/performance.md). Remove num_draft_branches unless a benchmark here "
+                "says otherwise",
+                speculative.num_draft_branches, str(self.dtype).removeprefix("torch."), path,
             )
 
     def _say_where_the_draft_runs(self, speculative: SpeculativeConfig) -> None:

@@ -164,3 +164,10 @@ def test_a_method_without_branches_refuses_them(target):
     with pytest.raises(ConfigError, match="num_draft_branches.*eagle3"):
         LLM(model=str(target), device="cpu",
             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": 2})
+
+
+def test_branches_without_amx_tiles_say_what_they_cost(target, plain, caplog):
+    """Float32 never takes the AMX path: extra rows cost there, and the engine says so."""
+    with caplog.at_level("WARNING", logger="sonar.engine"):
+        LLM(model=str(target), dtype="float32", device="cpu", speculative_config=_config(plain, 3, 2))
+    assert "num_draft_branches=3" in caplog.text and "not AMX" in caplog.text
