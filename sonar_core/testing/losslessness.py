@@ -53,6 +53,28 @@ def greedy_outputs(
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+def outputs_with_aborts(
+    engine: Any, prompts: list[list[int]], params: Any, aborted: set[int], abort_at_step: int, max_steps: int = 200
+) -> tuple[dict[int, list[int]], bool]:
+    """Run ``prompts`` through ``engine`` step by step and abort the requests at the indices in
+    ``aborted`` at step ``abort_at_step``; the other requests' output token ids by prompt index,
+    and whether every KV block came back once all ended."""
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    index_of = {request_id: i for i, request_id in enumerate(ids)}
+    finished: dict[int, list[int]] = {}
+    for step in range(max_steps):
+        if step == abort_at_step:
+            for i in sorted(aborted):
+                engine.abort_request(ids[i])
+        for out in engine.step():
+            if out.finished and out.outputs[0].finish_reason != "abort":
+                finished[index_of[out.request_id]] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    manager = engine.block_manager
+    return finished, manager.num_free_blocks == manager.num_blocks
+
+
 def constant_distribution_target(target_dir: Path, out_dir: Path, token: int = 7) -> Path:
     """A copy of a Llama-family checkpoint whose every position has the same next-token distribution.
 

@@ -20,7 +20,7 @@ from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.errors import ConfigError
 from sonar_core.kv import KVLayerSpec
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
-from sonar_core.testing.losslessness import greedy_outputs, random_prompts
+from sonar_core.testing.losslessness import greedy_outputs, outputs_with_aborts, random_prompts
 
 BRANCHING = str(Path(__file__).with_name("scripted_proposer.py")) + ":BranchingScriptedProposer"
 MAX_TOKENS = 24
@@ -104,21 +104,11 @@ def test_preemption_frees_the_forks_and_keeps_the_output(target, plain, any_step
 def test_aborted_requests_free_their_forks(target, plain, any_step_size):
     llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4,
               speculative_config=_config(plain, 3, 2))
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in _prompts()]
-    finished: dict[str, list[int]] = {}
-    for step in range(100):
-        if step == 2:
-            for request_id in ids[::2]:
-                engine.abort_request(request_id)
-        for out in engine.step():
-            if out.finished and out.outputs[0].finish_reason != "abort":
-                finished[out.request_id] = out.outputs[0].token_ids
-        if not engine.has_unfinished_requests():
-            break
-    assert finished == {ids[i]: plain[i] for i in range(1, len(ids), 2)}
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    aborted = set(range(0, len(plain), 2))
+    finished, all_freed = outputs_with_aborts(llm.engine, _prompts(), params, aborted, abort_at_step=2)
+    assert finished == {i: plain[i] for i in range(len(plain)) if i not in aborted}
+    assert all_freed
 
 
 def test_branches_go_to_the_first_requests_while_the_step_stays_small(target, plain, monkeypatch):

@@ -12,7 +12,7 @@ from aphrodite import LLM, SamplingParams
 from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.kv import KVLayerSpec
-from sonar_core.testing.losslessness import random_prompts
+from sonar_core.testing.losslessness import outputs_with_aborts, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 HEADS = {
@@ -89,22 +89,10 @@ def test_aborted_requests_free_their_blocks_and_leave_others_intact(target, make
     head = make_head(target, **HEADS["eagle3-safeailab"])
     llm = LLM(model=str(target), dtype="float32", device="cpu",
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
-    engine = llm.engine
-    prompts = _prompts(10)
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    finished: dict[str, list[int]] = {}
-    for step in range(200):
-        if step == 3:
-            for request_id in ids[::3]:
-                engine.abort_request(request_id)
-        for out in engine.step():
-            if out.finished and out.outputs[0].finish_reason != "abort":
-                finished[out.request_id] = out.outputs[0].token_ids
-        if not engine.has_unfinished_requests():
-            break
-    kept = [i for i in range(len(ids)) if i % 3]
-    assert {ids[i]: reference[i] for i in kept} == finished
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    aborted = set(range(0, 10, 3))
+    finished, all_freed = outputs_with_aborts(llm.engine, _prompts(10), GREEDY, aborted, abort_at_step=3)
+    assert finished == {i: reference[i] for i in range(10) if i not in aborted}
+    assert all_freed
 
 
 def test_qwen3_layers_in_a_speculators_head(qwen3_target, make_head):
