@@ -198,4 +198,5 @@ METHOD_SPECIFIC_FIELDS: tuple[str, ...] = (
     "attention_backend",
     "parallel_drafting",
     "draft_tensor_parallel_size",
+    "num_draft_branches",
 )

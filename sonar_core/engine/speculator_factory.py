@@ -41,13 +41,13 @@ def build_speculator(
 
 
 def _check_branches(resolved: ResolvedSpeculativeConfig, capabilities: ProposerCapabilities) -> None:
-    """num_draft_branches needs a proposer that drafts branches."""
+    """num_draft_branches for a method that reads it needs a proposer that drafts that many chains
+    (a method that does not read it was warned about by the configuration rules, and drafts chains)."""
     wanted = resolved.config.num_draft_branches
-    if wanted > capabilities.max_draft_branches:
+    if "num_draft_branches" in resolved.spec.core_fields and wanted > capabilities.max_draft_branches:
         raise ConfigError(
             f"{FIELD}.num_draft_branches",
-            f"method {resolved.method} drafts at most {capabilities.max_draft_branches} chain(s) per request, "
-            f"got {wanted}",
-            "remove num_draft_branches, or use a method that drafts token by token from the target's states "
-            "(eagle, eagle3, mtp)",
+            f"method {resolved.method}'s proposer drafts at most {capabilities.max_draft_branches} chain(s) per "
+            f"request (ProposerCapabilities.max_draft_branches), got {wanted}",
+            f"set num_draft_branches to {capabilities.max_draft_branches} or less",
         )

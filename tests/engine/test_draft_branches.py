@@ -150,10 +150,23 @@ def test_a_branch_count_below_one_names_the_field(target, branches):
             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": branches})
 
 
-def test_a_method_without_branches_refuses_them(target):
-    with pytest.raises(ConfigError, match="num_draft_branches.*eagle3"):
-        LLM(model=str(target), device="cpu",
-            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": 2})
+def test_a_method_without_branches_is_warned_and_drafts_chains(target):
+    from sonar_core.config import validate_config
+    from sonar_core.plugins import get_plugin_manager
+
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "num_draft_branches": 2}
+    resolved = validate_config({"model": str(target), "speculative_config": speculative}, get_plugin_manager())
+    assert any("num_draft_branches has no effect with method 'ngram'" in w and "eagle3" in w for w in resolved.warnings)
+    llm = LLM(model=str(target), device="cpu", speculative_config=speculative)
+    assert llm.engine.speculator.num_draft_branches == 1
+
+
+def test_a_proposer_that_drafts_no_branches_refuses_them(target, plain):
+    """custom_class reads every field: its class must declare the branches it drafts."""
+    config = {**_config(plain, 3, 2), "custom_class": str(Path(__file__).with_name("scripted_proposer.py"))
+              + ":ScriptedProposer", "options": {"continuations": [[1, 2]]}}
+    with pytest.raises(ConfigError, match="num_draft_branches.*max_draft_branches"):
+        LLM(model=str(target), device="cpu", speculative_config=config)
 
 
 def test_branches_without_amx_tiles_say_what_they_cost(target, plain, caplog):

@@ -92,7 +92,10 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
             MethodSpec(
                 name=method,
                 # prompt_lookup_*: lookup in front of the head (sonar_core.spec_decode.lookup_first).
-                core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max"}),
+                core_fields=frozenset(
+                    {"attention_backend", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max",
+                     "num_draft_branches"}
+                ),
                 create_proposer=create_proposer,
                 description=DESCRIPTIONS[method],
                 options_model=EagleOptions,

@@ -188,7 +188,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
-            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size"}),
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "num_draft_branches"}),
             create_proposer=create_proposer,
             description="Multi-token prediction layers shipped with the target checkpoint",
             options_model=MtpOptions,
