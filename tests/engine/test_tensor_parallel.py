@@ -208,7 +208,7 @@ def test_draft_branches_are_refused_on_a_split_target(qwen3: Path):
     from sonar_core.config import validate_config
     from sonar_core.plugins import get_plugin_manager
 
-    speculative = {"method": "ngram", "num_speculative_tokens": 2, "num_draft_branches": 2}
+    speculative = {"method": "mtp", "num_speculative_tokens": 2, "num_draft_branches": 2}
     with pytest.raises(ConfigError) as info:
         validate_config({"model": str(qwen3), "tensor_parallel_size": 2, "speculative_config": speculative},
                         get_plugin_manager())
