@@ -158,3 +158,12 @@ def test_without_a_command_usage_is_printed(run_aphrodite):
     result = run_aphrodite()
     assert result.returncode == 2
     assert "serve" in result.stderr and "plugins" in result.stderr
+
+
+def test_check_config_shows_draft_branches(run_aphrodite):
+    result = run_aphrodite(
+        "serve", "--check-config", "--speculative-config",
+        '{"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 3}', env={"SONAR_PLUGINS": None},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "eagle3" in result.stdout and "num_speculative_tokens: 4, num_draft_branches: 3" in result.stdout

@@ -73,9 +73,11 @@ def describe(validated: ValidatedConfig) -> str:
         lines.append("  speculative decoding: off")
     else:
         provider = f"{speculative.spec.distribution} {speculative.spec.version}".strip() or "unknown distribution"
+        branches = speculative.config.num_draft_branches
         lines.append(
             f"  speculative decoding: {speculative.method} ({provider}), "
             f"num_speculative_tokens: {speculative.num_speculative_tokens}"
+            + (f", num_draft_branches: {branches}" if branches > 1 else "")
         )
     if validated.warnings:
         lines.append(f"  warnings: {len(validated.warnings)} (logged above)")
