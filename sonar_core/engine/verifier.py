@@ -8,7 +8,6 @@ import torch
 
 from sonar_core.engine.model_runner import ModelRunOutput
 from sonar_core.engine.scheduler import ScheduledSequence
-from sonar_core.sample.greedy import argmax_rows
 from sonar_core.sample.sampler import Sampler, SamplingBatch
 from sonar_core.spec_decode.rejection_sampler import SpecDecodeMetadata, rejection_sample
 
@@ -93,8 +92,6 @@ class Verifier:
         """Verify requests among which some have draft branches (see the class docstring): the
         first token of every request with branches, then one rejection-sampling pass over each
         request's taken chain (past that first token where it has branches)."""
-        if batch.all_greedy:
-            return _verify_greedy_branches(argmax_rows(logits).tolist(), chains)
         branching = [slot for slot, chain in enumerate(chains) if len(chain.tokens) > 1]
         roots = torch.tensor([chains[slot].logits_rows[0].start for slot in branching], device=logits.device)
         first = self._sampler(logits.index_select(0, roots), batch.select(branching)).token_ids.tolist()
@@ -139,28 +136,6 @@ class Verifier:
         probs = _stack_draft_probs(drafts, draft_probs, logits.shape[-1], self.device)
         out = rejection_sample(logits, metadata, probs, batch, backend=self.backend)
         return out.output_token_ids, out.num_accepted
-
-
-def _verify_greedy_branches(
-    top: list[int], chains: list[_Chains]
-) -> tuple[list[list[int]], list[int], list[int]]:
-    """All-greedy batches, from one argmax per row (``top``): each request takes the chain whose
-    first draft is its argmax at its newest position (its own chain when none is), keeps that
-    chain's drafts while they equal the argmax, then emits the argmax."""
-    emitted: list[list[int]] = []
-    accepted: list[int] = []
-    chosen: list[int] = []
-    for chain in chains:
-        root = top[chain.logits_rows[0].start]
-        taken = next((i for i, tokens in enumerate(chain.tokens) if tokens and tokens[0] == root), 0)
-        drafts, start = chain.tokens[taken], chain.logits_rows[taken].start
-        num = 0
-        while num < len(drafts) and drafts[num] == top[start + num]:
-            num += 1
-        emitted.append(drafts[:num] + [top[start + num]])
-        accepted.append(num)
-        chosen.append(taken)
-    return emitted, accepted, chosen
 
 
 def _chains_of(item: ScheduledSequence, run: ModelRunOutput, index: int) -> _Chains:

@@ -94,6 +94,8 @@ class SamplingBatch:
         """Only ``rows`` (ascending, each once), as a batch of their own."""
         if sorted(set(rows)) != rows:
             raise ValueError(f"rows must be ascending and distinct, got {rows}")
+        if len(rows) == self.num_rows:  # ascending and distinct: every row
+            return self
         chosen = set(rows)
         return self.repeat_rows([1 if row in chosen else 0 for row in range(self.num_rows)])
 
