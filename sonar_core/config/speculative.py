@@ -87,10 +87,11 @@ class SpeculativeConfig(BaseModel):
     and stops drafting when drafting would cost throughput (large batches)."""
 
     num_draft_branches: int = 1
-    """Chains a request drafts per step (methods that draft one token at a time from the target's
-    states: eagle, eagle3, mtp). Above 1, the head's next best first tokens each start a chain of
-    their own, verified beside the request's chain in the same target pass; the chain whose first
-    token the target emits is kept. Each branch costs num_speculative_tokens + 1 more target rows."""
+    """Chains a request drafts per step, for methods whose proposer drafts branches (those that list
+    this field; others warn that it has no effect). Above 1, the head's next best first tokens each
+    start a chain of their own, verified beside the request's chain in the same target pass; the
+    chain whose first token the target emits is kept. Each branch costs num_speculative_tokens + 1
+    more target rows."""
 
     @field_validator("method", "model")
     @classmethod
@@ -122,7 +123,7 @@ class SpeculativeConfig(BaseModel):
             raise ConfigError(
                 f"{FIELD}.num_draft_branches",
                 f"the number of draft chains per request must be positive, got {value}",
-                "set num_draft_branches to 1 (one chain) or 2 to 3 (chains from the head's best first tokens)",
+                "set num_draft_branches to 1 (one chain) or 2 to 3 (chains from the draft's best first tokens)",
             )
         return value
 

@@ -102,8 +102,6 @@ def validate_speculative_config(
     config = config.model_copy(update={"method": spec.name})
     options = _validate_options(config, spec)
     warnings.extend(_fields_without_effect(config, spec, methods))
-    if "num_draft_branches" not in spec.core_fields:  # warned about above: drafts stay chains
-        config = config.model_copy(update={"num_draft_branches": 1})
     formats = [entry for entry in spec.draft_architectures if entry.serves(target.architectures if target else None)]
     if config.model is not None and formats:
         draft = draft or _draft_info(config)
