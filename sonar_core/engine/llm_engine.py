@@ -351,7 +351,8 @@ class LLMEngine:
         result = self.verifier(run, sched.scheduled)
         self.runner.commit_states(sched, result.num_accepted)
         verified = time.monotonic()
-        self._settle_branches(sched, result.winners, result.num_accepted)
+        if self.speculator is not None:
+            self.speculator.settle_branches(sched.scheduled, result.winners, result.num_accepted)
         updates = self._update(sched, result.token_ids, result.num_accepted, result.logprobs)
         self.scheduler.cache_full_blocks(sched)
         proposing = time.monotonic()
@@ -369,18 +370,6 @@ class LLMEngine:
                 self._release(seq)
                 seq.metrics.finished_time = finished_at
         return [self._output(seq, kept, delta) for seq, kept, delta in updates]
-
-    def _settle_branches(self, sched: SchedulerOutput, winners: list[int], num_accepted: list[int]) -> None:
-        """Make a winning draft branch's KV the request's own; free every verified request's forks."""
-        if self.speculator is None or self.speculator.forker is None:
-            return
-        for item, winner, accepted in zip(sched.scheduled, winners, num_accepted, strict=True):
-            if winner:
-                fork = item.draft_branches[winner - 1].fork
-                # The newest token and the accepted drafts, in the fork's blocks.
-                self.speculator.forker.adopt(fork, item.seq.block_table, item.seq.num_computed_tokens + 1 + accepted)
-            if item.samples:
-                self.speculator.drop_branches(item.seq)
 
     def _update(
         self,

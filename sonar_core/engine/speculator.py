@@ -10,6 +10,7 @@ import torch
 from sonar_core.attention_backends import AttentionBackend, get_backend
 from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.kv_forks import KVForker
+from sonar_core.engine.scheduler import ScheduledSequence
 from sonar_core.engine.sequence import Sequence
 from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.proposer import (
@@ -233,7 +234,7 @@ class Speculator:
     def _fork(self, request: ProposalRequest, count: int) -> list[KVFork]:
         """ProposeBatch.fork: forks for the drafts after the request's newest token."""
         assert self.forker is not None
-        count = min(count, request.max_draft_branches - 1) if request.max_draft_tokens > 0 else 0
+        count = min(count, request.max_draft_branches - 1)  # 0 unless _allot_branches gave some
         if count <= 0 or request.request_id in self._forks:
             return []
         position = len(request.token_ids) - 1
@@ -262,6 +263,19 @@ class Speculator:
             self._free_forks([fork for fork in forks if id(fork) not in taken])
         for forks in made.values():
             self._free_forks(forks)
+
+    def settle_branches(self, scheduled: list[ScheduledSequence], winners: list[int], num_accepted: list[int]) -> None:
+        """After verification: make a winning branch's KV its request's own, then free the forks of
+        every request that sampled (``winners`` and ``num_accepted`` as the verifier gives them)."""
+        if self.forker is None:
+            return
+        for item, winner, accepted in zip(scheduled, winners, num_accepted, strict=True):
+            if winner:
+                # The newest token and the accepted drafts, in the fork's blocks.
+                end = item.seq.num_computed_tokens + 1 + accepted
+                self.forker.adopt(item.draft_branches[winner - 1].fork, item.seq.block_table, end)
+            if item.samples:
+                self.drop_branches(item.seq)
 
     def drop_branches(self, seq: Sequence) -> None:
         """Free the forks of a request's draft branches (after verification, or when it leaves)."""
