@@ -36,6 +36,7 @@ from sonar_core.engine.verifier import Verifier
 from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet
 from sonar_core.kv import RecurrentStateCache, StateLayerSpec, allocate_kv_cache
+from sonar_core.layers.linear import skinny_linear_path
 from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.loader import LoadedModel, load_model, load_tokenizer
@@ -214,8 +215,7 @@ class LLMEngine:
         bfloat16 on AMX tiles. Elsewhere they measured slower than a chain (docs/performance.md)."""
         if speculative.num_draft_branches == 1 or self.device.type != "cpu":
             return
-        ops = cpu_kernels.load() if self.dtype in cpu_kernels.SKINNY_DTYPES else None
-        path = ops.skinny_linear_path(self.dtype) if ops is not None else "PyTorch's"
+        path = skinny_linear_path(self.dtype) or "PyTorch's"
         if path != "amx":
             logger.warning(
                 "speculative_config.num_draft_branches=%d: this CPU verifies %s rows with %s matmuls, not AMX "

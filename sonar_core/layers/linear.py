@@ -63,12 +63,18 @@ SKINNY_ROWS = {"amx": 512, "avx512": 64, "avx2": 80, "generic": 0}
 WHOLE_BF16_PATHS = frozenset({"avx2", "avx512_bf16"})
 
 
+def skinny_linear_path(dtype: torch.dtype) -> str | None:
+    """The code path of the skinny kernel for ``dtype`` on this CPU (``amx``, ``avx512``, ...), or
+    None where the kernel does not multiply that dtype (not built, or not one it packs)."""
+    ops = cpu_kernels.load() if dtype in cpu_kernels.SKINNY_DTYPES else None
+    return ops.skinny_linear_path(dtype) if ops is not None else None
+
+
 def skinny_rows_limit(dtype: torch.dtype) -> int:
     """The most rows for which :class:`Linear` takes the skinny kernel on this CPU (0: never)."""
-    ops = cpu_kernels.load() if dtype in cpu_kernels.SKINNY_DTYPES else None
-    if ops is None:
+    path = skinny_linear_path(dtype)
+    if path is None:
         return 0
-    path = ops.skinny_linear_path(dtype)
     if dtype == torch.bfloat16 and path in WHOLE_BF16_PATHS:
         return sys.maxsize
     return SKINNY_ROWS.get(path, 0)
