@@ -10,6 +10,7 @@ from __future__ import annotations
 from sonar_core.spec_decode.proposer import (
     DraftBranch,
     DraftProposal,
+    ProposalRequest,
     ProposeBatch,
     Proposer,
     ProposerCapabilities,
@@ -31,20 +32,24 @@ class ScriptedProposer(Proposer):
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         drafts = []
         for request in batch.requests:
-            tokens = list(request.token_ids)
-            expected = next((c for c in self.continuations if c[: len(tokens)] == tokens), None)
-            if expected is None:
-                drafts.append([])
-                continue
-            draft = expected[len(tokens) : len(tokens) + request.max_draft_tokens]
-            wrong = len(tokens) % (request.max_draft_tokens + 1)
-            if wrong < len(draft):
-                draft[wrong] = (draft[wrong] + 1) % self.vocab_size
-            drafts.append(draft)
+            wrong = len(request.token_ids) % (request.max_draft_tokens + 1)
+            drafts.append(self._drafts_wrong_at(request, wrong))
         return DraftProposal(token_ids=drafts)
 
+    def _drafts_wrong_at(self, request: ProposalRequest, wrong: int) -> list[int]:
+        """The continuation's next ``max_draft_tokens`` tokens with the one at index ``wrong`` (if
+        any) replaced by another; empty when no continuation starts with the request's tokens."""
+        tokens = list(request.token_ids)
+        expected = next((c for c in self.continuations if c[: len(tokens)] == tokens), None)
+        if expected is None:
+            return []
+        draft = expected[len(tokens) : len(tokens) + request.max_draft_tokens]
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % self.vocab_size
+        return draft
 
-class BranchingScriptedProposer(Proposer):
+
+class BranchingScriptedProposer(ScriptedProposer):
     """Drafts ``1 + branches`` chains per request in KV forks: the right continuation sits in the
     chain at index ``len(tokens) % (branches + 2)`` (0: the request's own chain; ``branches + 1``:
     no chain starts right), with a wrong token at index ``(len(tokens) // (branches + 2)) %
@@ -54,26 +59,21 @@ class BranchingScriptedProposer(Proposer):
     capabilities = ProposerCapabilities(max_draft_branches=8)
 
     def __init__(self, context: ProposerContext, continuations: list[list[int]], branches: int) -> None:
-        self.continuations = [list(tokens) for tokens in continuations]
-        self.vocab_size = context.target_hf_config.vocab_size
+        super().__init__(context, continuations)
         self.branches = branches
 
     def propose(self, batch: ProposeBatch) -> DraftProposal:
         drafts: list[list[int]] = []
         branches: list[list[DraftBranch]] = []
         for request in batch.requests:
-            tokens = list(request.token_ids)
-            expected = next((c for c in self.continuations if c[: len(tokens)] == tokens), None)
-            right = expected[len(tokens) : len(tokens) + request.max_draft_tokens] if expected else []
+            tokens = request.token_ids
+            right = self._drafts_wrong_at(request, (len(tokens) // (self.branches + 2)) % (request.max_draft_tokens + 1))
             if not right:
                 drafts.append([])
                 branches.append([])
                 continue
             assert batch.fork is not None
             forks = batch.fork(request, self.branches)
-            wrong = (len(tokens) // (self.branches + 2)) % (request.max_draft_tokens + 1)
-            if wrong < len(right):
-                right[wrong] = (right[wrong] + 1) % self.vocab_size
             chains = [[(right[0] + 2 + i) % self.vocab_size] + right[1:] for i in range(len(forks) + 1)]
             where = len(tokens) % (self.branches + 2)
             if where <= len(forks):
