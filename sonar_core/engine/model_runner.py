@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,8 +30,8 @@ class ModelRunOutput:
     hidden: TargetHiddenStates | None  # every row of the flat batch; None when no proposer asks
     # Per scheduled request, per draft branch: its rows of ``logits`` and of the flat batch (the
     # newest token again, then the branch's drafts), laid out like the request's own.
-    branch_logits_rows: list[list[slice]] = field(default_factory=list)
-    branch_query_rows: list[list[slice]] = field(default_factory=list)
+    branch_logits_rows: list[list[slice]]
+    branch_query_rows: list[list[slice]]
 
 
 class ModelRunner:
