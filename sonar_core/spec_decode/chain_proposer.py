@@ -39,7 +39,7 @@ from torch import nn
 from sonar_core.kv import KVCache, KVLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.spec_decode.draft_attention import DraftChain, first_pass_metadata
-from sonar_core.spec_decode.draft_sampling import DraftSampler
+from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
 from sonar_core.spec_decode.proposer import (
     DraftBranch,
     DraftProposal,
@@ -130,9 +130,11 @@ class ChainProposer(Proposer):
         if not drafting:
             return DraftProposal([[] for _ in batch.requests])
         last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
+        logits = self.head.compute_logits(out.index_select(0, last))
+        first = self.sampler.sample(logits, self.sampler.batch_for(drafting))
         # Forked only now: the first pass wrote the draft KV that the forks copy.
-        forks = [batch.fork(r, r.max_draft_branches - 1) if batch.fork is not None else [] for r in drafting]
-        token_ids, probs = self._chain(batch, drafting, forks, out.index_select(0, last), carry.index_select(0, last))
+        forks = [batch.fork(r, count) if count else [] for r, count in zip(drafting, self._branch_counts(batch, drafting, logits), strict=True)]
+        token_ids, probs = self._chain(batch, drafting, forks, logits, first, carry.index_select(0, last))
         proposal = DraftProposal.from_rows(batch.requests, drafting, token_ids[: len(drafting)], probs)
         if any(forks):
             proposal.branches = _branches(batch.requests, drafting, forks, token_ids[len(drafting) :], probs)
@@ -148,21 +150,28 @@ class ChainProposer(Proposer):
         hidden = self.head.target_input(batch.target_hidden, batch.hidden_row_index(requests))
         return self.head(token_ids, hidden, metadata.positions, batch.kv_caches, metadata, 0)
 
+    def _branch_counts(self, batch: ProposeBatch, requests: list[ProposalRequest], logits: torch.Tensor) -> list[int]:
+        """Draft branches per request: as many as it may have, except where the head is sure of
+        its first draft (``DraftSampler.sure``)."""
+        wanted = [r.max_draft_branches - 1 if batch.fork is not None else 0 for r in requests]
+        if not any(wanted):
+            return wanted
+        return [0 if sure else count for count, sure in zip(wanted, self.sampler.sure(logits), strict=True)]
+
     def _chain(
         self,
         batch: ProposeBatch,
         requests: list[ProposalRequest],
         forks: list[list[KVFork]],
-        out: torch.Tensor,
+        logits: torch.Tensor,
+        first: DraftSample,
         carry: torch.Tensor,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Sample the first draft from ``out``, then chain the head; ``[R + B][k]`` ids and
-        ``[R + B, k, V]`` probabilities (probabilistic drafting): a row per request, then a row per
-        draft branch (request by request), whose first draft is the next best after the request's
-        and whose chain runs in its fork."""
-        logits = self.head.compute_logits(out)
-        sample = self.sampler.sample(logits, self.sampler.batch_for(requests))
-        first_ids, first_probs = sample.token_ids, sample.probs
+        """Chain the head from each request's first draft (``first``, sampled from ``logits``);
+        ``[R + B][k]`` ids and ``[R + B, k, V]`` probabilities (probabilistic drafting): a row per
+        request, then a row per draft branch (request by request), whose first draft is the next
+        best after the request's and whose chain runs in its fork."""
+        first_ids, first_probs = first.token_ids, first.probs
         owners = [i for i, request_forks in enumerate(forks) for _ in request_forks]
         rows = requests + [requests[i] for i in owners]
         tables = [r.block_table for r in requests] + [fork.block_table for request_forks in forks for fork in request_forks]

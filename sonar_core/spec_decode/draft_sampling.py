@@ -27,6 +27,13 @@ from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 
 _GREEDY = SamplingParams(temperature=0.0)
 
+# The head's probability of its first draft from which that draft is taken as sure and the
+# request gets no draft branches that step. Measured with the shipped EAGLE-3 head on the chat
+# benchmark (600 steps, three chains of four): above 0.9 its first draft was right 94% of the time
+# and a branch won 2% of those steps; from 0.8 to 0.9, 70% and 23%. Leaving those steps without
+# branches kept 2.52 of 2.52 tokens a step and saved a fifth of the branch rows.
+BRANCH_CONFIDENCE = 0.9
+
 
 @dataclass
 class DraftSample:
@@ -71,6 +78,13 @@ class DraftSampler:
             # probabilities and weight 1, so the same argmax picks their argmax.
             draft_ids = argmax_rows(probs * draw_race_weights(batch, probs.shape[-1], probs.device))
         return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs))
+
+    def sure(self, logits: torch.Tensor) -> list[bool]:
+        """Per row of ``[R, Vd]`` draft logits, whether the head's own distribution (temperature 1)
+        puts at least :data:`BRANCH_CONFIDENCE` on its most likely token: a draft branch there
+        would cost its rows and almost never win."""
+        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        return (top >= BRANCH_CONFIDENCE).tolist()
 
     def alternatives(self, logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[list[int]]:
         """The ``counts[i]`` most likely tokens of row ``i`` of ``[R, Vd]`` draft logits other than

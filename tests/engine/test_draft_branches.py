@@ -19,6 +19,7 @@ from sonar_core.engine import verifier as verifier_module
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.errors import ConfigError
 from sonar_core.kv import KVLayerSpec
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
 from sonar_core.testing.losslessness import greedy_outputs, outputs_with_aborts, random_prompts
 
@@ -49,7 +50,7 @@ def _config(plain: list[list[int]], depth: int, branches: int) -> dict:
 @pytest.fixture
 def any_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Branches for every drafting request however many rows the step verifies."""
-    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)
+    branch_on_every_step(monkeypatch)
 
 
 @pytest.fixture

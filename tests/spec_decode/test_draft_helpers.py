@@ -3,6 +3,8 @@ conventions, draft sampling, the speculators config reader."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode import layer_ids
 from sonar_core.spec_decode.draft_attention import DraftChain, block_metadata
-from sonar_core.spec_decode.draft_sampling import DraftSampler
+from sonar_core.spec_decode.draft_sampling import BRANCH_CONFIDENCE, DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest
 from sonar_core.spec_decode.speculators_format import SpeculatorsConfig, checkpoint_name
 from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
@@ -98,6 +100,16 @@ def test_greedy_drafting_maps_the_argmax_to_target_ids():
     vocab = DraftVocabularyMap(torch.tensor([3, 5, 8]), 10)
     sample = DraftSampler(vocab, probabilistic=False, device="cpu").sample(torch.tensor([[0.0, 2.0, 1.0]]), None)
     assert sample.token_ids.tolist() == [5] and sample.probs is None
+
+
+def test_a_draft_is_sure_where_the_head_gives_it_the_branch_confidence():
+    sampler = DraftSampler(DraftVocabularyMap(torch.tensor([3, 5, 8]), 10), probabilistic=False, device="cpu")
+    # The middle logit at which softmax gives it exactly BRANCH_CONFIDENCE: e^a / (e^a + 2).
+    at_threshold = math.log(2 * BRANCH_CONFIDENCE / (1 - BRANCH_CONFIDENCE))
+    logits = torch.tensor([[0.0, at_threshold + 1e-3, 0.0], [0.0, at_threshold - 1e-3, 0.0], [1.0, 0.9, 0.8]])
+    assert sampler.sure(logits) == [True, False, False]
+    # bfloat16 logits (the head's dtype) are judged in float32.
+    assert sampler.sure(torch.tensor([[0.0, 5.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.bfloat16)) == [True, False]
 
 
 def test_probabilistic_drafting_is_seeded_per_request_and_reports_target_probabilities():

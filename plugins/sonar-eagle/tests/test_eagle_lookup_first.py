@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine.speculator import Speculator
 from sonar_core.errors import ConfigError
 from sonar_core.spec_decode.lookup_first import LookupFirstProposer
@@ -22,6 +21,7 @@ from sonar_core.spec_decode.proposer import (
     Proposer,
     ProposerCapabilities,
 )
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.losslessness import (
     assert_follows_target_distribution,
     constant_distribution_target,
@@ -72,7 +72,7 @@ def test_greedy_output_equals_plain_output(target, make_head, monkeypatch, branc
         drop(self, seq)
 
     monkeypatch.setattr(Speculator, "drop_branches", recording)
-    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all eight requests
+    branch_on_every_step(monkeypatch)
     tokens, llm = _generate(target, config)
     assert tokens == _generate(target)[0]
     # The head's drafts came with their branches; the lookup's never do.

@@ -3,15 +3,18 @@ layouts, batch sizes, depths, chunked prefill, preemption and aborts; nothing le
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from aphrodite import LLM, SamplingParams
-from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine.kv_budget import bytes_per_block
+from sonar_core.engine.speculator import Speculator
 from sonar_core.kv import KVLayerSpec
+from sonar_core.spec_decode import draft_sampling
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.losslessness import outputs_with_aborts, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -55,12 +58,37 @@ def test_draft_branches_keep_greedy_output(head, batch, depth, branches, target,
     """Each request's chain and its branches (the head's next best first tokens) are verified side
     by side in KV forks; whichever the target follows, the output is the plain one. Every drafting
     request gets its branches, however many rows a step verifies."""
-    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)
+    branch_on_every_step(monkeypatch)
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)),
               "num_speculative_tokens": depth, "num_draft_branches": branches}
     tokens, llm = _generate(target, config, max_num_seqs=batch, block_size=4)
     assert tokens == reference
+    assert llm.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(("confidence", "branching"), [(0.0, False), (math.inf, True)], ids=["sure", "unsure"])
+def test_a_head_sure_of_its_first_draft_drafts_no_branches(confidence, branching, target, make_head, reference,
+                                                           monkeypatch):
+    """Branches are forked only where the head's probability of its first draft is below
+    BRANCH_CONFIDENCE: at 0 every head is sure (chains alone), at infinity none is."""
+    branch_on_every_step(monkeypatch)
+    monkeypatch.setattr(draft_sampling, "BRANCH_CONFIDENCE", confidence)
+    forked = []
+    fork = Speculator._fork
+
+    def counting(self, request, count):
+        forks = fork(self, request, count)
+        forked.extend(forks)
+        return forks
+
+    monkeypatch.setattr(Speculator, "_fork", counting)
+    options = HEADS["eagle3-speculators-reduced-vocab"]
+    config = {"method": "eagle3", "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
+              "num_draft_branches": 3}
+    tokens, llm = _generate(target, config, max_num_seqs=4, block_size=4)
+    assert tokens == reference
+    assert bool(forked) == branching
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
 
 

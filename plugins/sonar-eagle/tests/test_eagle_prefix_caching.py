@@ -14,6 +14,7 @@ import random
 import pytest
 
 from aphrodite import LLM, SamplingParams
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.prefix_caching import check_followers_find_their_draft_kv
 
 BLOCK = 4
@@ -40,11 +41,12 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
 @pytest.mark.parametrize("first_tokens", [12, 1], ids=["cached-while-running", "cached-as-it-ends"])
 @pytest.mark.parametrize("head", list(HEADS))
 def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(
-    head, first_tokens, branches, target, make_head
+    head, first_tokens, branches, target, make_head, monkeypatch
 ):
     """With one new token the first request ends in the step that prefills it, the step that also
     caches its blocks: the proposer must write their draft KV although the request is done. With
     draft branches, a fork copied back over the request's blocks must leave them as a chain would."""
+    branch_on_every_step(monkeypatch)
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
               "num_draft_branches": branches}
@@ -64,7 +66,8 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(
 
 
 @pytest.mark.parametrize(("branches", "step_tokens"), [(1, 12), (3, 20)], ids=["chain", "branches"])
-def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head, branches, step_tokens):
+def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head, branches, step_tokens, monkeypatch):
+    branch_on_every_step(monkeypatch)
     head = make_head(target, **HEADS["eagle3"])
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "num_draft_branches": branches}
     first, followers = _prompts()

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aphrodite import LLM
-from sonar_core.engine import speculator as speculator_module
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.eagle_heads import build_eagle_head
 from sonar_core.testing.losslessness import (
     assert_follows_target_distribution,
@@ -77,7 +77,7 @@ def test_sampled_output_with_draft_branches_follows_the_target_distribution(
 ):
     """With branches, a request's first token is drawn from the target and picks the chain that
     starts with it: the output follows the target however the first drafts were chosen."""
-    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all 256 requests
+    branch_on_every_step(monkeypatch)
     head = _matching_head(constant_target, tmp_path / "head", lm_head_noise=0.05)
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "num_draft_branches": 3,
               "draft_sample_method": draft_sample_method}

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aphrodite import LLM
-from sonar_core.engine import speculator as speculator_module
 from sonar_core.errors import ConfigError
+from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.checkpoints import build_tiny_checkpoint
 from sonar_core.testing.losslessness import (
     assert_follows_target_distribution,
@@ -71,7 +71,7 @@ def test_greedy_output_equals_plain_output(depth, batch, mimo, reference):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_draft_branches_keep_greedy_output(depth, mimo, reference, monkeypatch):
     """Chains from the MTP layer's next best first tokens, verified beside the request's chain."""
-    monkeypatch.setattr(speculator_module, "BRANCH_ROW_LIMIT", 10**6)  # branches for all eight requests
+    branch_on_every_step(monkeypatch)
     config = {"method": "mtp", "num_speculative_tokens": depth, "num_draft_branches": 3}
     tokens, llm = greedy_outputs(mimo, _prompts(), config, max_num_seqs=8, block_size=4)
     assert tokens == reference
