@@ -27,13 +27,6 @@ from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
 
 _GREEDY = SamplingParams(temperature=0.0)
 
-# The head's probability of its first draft from which that draft is taken as sure and the
-# request gets no draft branches that step. Measured with the shipped EAGLE-3 head on the chat
-# benchmark (600 steps, three chains of four): above 0.9 its first draft was right 94% of the time
-# and a branch won 2% of those steps; from 0.8 to 0.9, 70% and 23%. Leaving those steps without
-# branches kept 2.52 of 2.52 tokens a step and saved a fifth of the branch rows.
-BRANCH_CONFIDENCE = 0.9
-
 
 @dataclass
 class DraftSample:
@@ -79,21 +72,27 @@ class DraftSampler:
             draft_ids = argmax_rows(probs * draw_race_weights(batch, probs.shape[-1], probs.device))
         return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs))
 
-    def sure(self, logits: torch.Tensor) -> list[bool]:
-        """Per row of ``[R, Vd]`` draft logits, whether the head's own distribution (temperature 1)
-        puts at least :data:`BRANCH_CONFIDENCE` on its most likely token: a draft branch there
-        would cost its rows and almost never win."""
-        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
-        return (top >= BRANCH_CONFIDENCE).tolist()
+    @staticmethod
+    def top_probabilities(logits: torch.Tensor) -> list[float]:
+        """Per row of ``[R, Vd]`` draft logits, the head's probability (temperature 1) of its most
+        likely token: how sure it is there (the drafted token's probability when greedy)."""
+        return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
 
-    def alternatives(self, logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]) -> list[list[int]]:
+    def alternatives(
+        self, logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """The ``counts[i]`` most likely tokens of row ``i`` of ``[R, Vd]`` draft logits other than
-        its ``chosen`` draft (target ids): the first drafts of a request's draft branches."""
+        its ``chosen`` draft (target ids), the first drafts of a request's draft branches, and the
+        head's probability (temperature 1) of each."""
         width = min(max(counts, default=0) + 1, logits.shape[-1])
         if width <= 1:
-            return [[] for _ in counts]
-        ranked = self.vocab_map.to_target(logits.float().topk(width, dim=-1).indices).tolist()
-        return [
-            [token for token in row if token != first][:count]
-            for row, first, count in zip(ranked, chosen.tolist(), counts, strict=True)
-        ]
+            return [[] for _ in counts], [[] for _ in counts]
+        top = torch.softmax(logits.float(), dim=-1).topk(width, dim=-1)
+        ranked, probabilities = self.vocab_map.to_target(top.indices).tolist(), top.values.tolist()
+        tokens: list[list[int]] = []
+        token_probabilities: list[list[float]] = []
+        for row, row_probabilities, first, count in zip(ranked, probabilities, chosen.tolist(), counts, strict=True):
+            kept = [(token, p) for token, p in zip(row, row_probabilities, strict=True) if token != first][:count]
+            tokens.append([token for token, _ in kept])
+            token_probabilities.append([p for _, p in kept])
+        return tokens, token_probabilities

@@ -4,6 +4,7 @@ conventions, draft sampling, the speculators config reader."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from sonar_core.errors import ConfigError
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode import layer_ids
+from sonar_core.spec_decode.chain_proposer import CHAIN_STOP_CONFIDENCE, _ChainDepths
 from sonar_core.spec_decode.draft_attention import DraftChain, block_metadata
-from sonar_core.spec_decode.draft_sampling import BRANCH_CONFIDENCE, DraftSampler
+from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest
 from sonar_core.spec_decode.speculators_format import SpeculatorsConfig, checkpoint_name
 from sonar_core.spec_decode.vocab_map import DraftVocabularyMap
@@ -102,14 +104,31 @@ def test_greedy_drafting_maps_the_argmax_to_target_ids():
     assert sample.token_ids.tolist() == [5] and sample.probs is None
 
 
-def test_a_draft_is_sure_where_the_head_gives_it_the_branch_confidence():
+def test_the_heads_top_probabilities_and_its_next_best_tokens():
     sampler = DraftSampler(DraftVocabularyMap(torch.tensor([3, 5, 8]), 10), probabilistic=False, device="cpu")
-    # The middle logit at which softmax gives it exactly BRANCH_CONFIDENCE: e^a / (e^a + 2).
-    at_threshold = math.log(2 * BRANCH_CONFIDENCE / (1 - BRANCH_CONFIDENCE))
-    logits = torch.tensor([[0.0, at_threshold + 1e-3, 0.0], [0.0, at_threshold - 1e-3, 0.0], [1.0, 0.9, 0.8]])
-    assert sampler.sure(logits) == [True, False, False]
-    # bfloat16 logits (the head's dtype) are judged in float32.
-    assert sampler.sure(torch.tensor([[0.0, 5.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.bfloat16)) == [True, False]
+    logits = torch.tensor([[0.0, math.log(18.0), 0.0], [1.0, 0.0, 2.0]])
+    assert sampler.top_probabilities(logits) == pytest.approx([0.9, math.e**2 / (math.e**2 + math.e + 1)])
+    assert sampler.top_probabilities(logits.to(torch.bfloat16)) == pytest.approx([0.9, 0.665], abs=2e-3)
+    first = sampler.sample(logits, None).token_ids
+    tokens, probabilities = sampler.alternatives(logits, first, [2, 1])
+    assert tokens == [[3, 8], [3]]  # target ids, the chosen draft left out, most likely first
+    assert probabilities[0] == pytest.approx([0.05, 0.05])
+    assert probabilities[1] == pytest.approx([math.e / (math.e**2 + math.e + 1)])
+
+
+def test_a_request_with_branches_stops_where_its_chains_run_out_of_probability():
+    requests = [SimpleNamespace(max_draft_tokens=4), SimpleNamespace(max_draft_tokens=4), SimpleNamespace(max_draft_tokens=3)]
+    # Rows: request 0's chain and two branches, request 1's chain (no branches), request 2's chain
+    # and one branch, whose first drafts hold 0.09 of the head's probability together at best.
+    stop = CHAIN_STOP_CONFIDENCE
+    depths = _ChainDepths(requests, [0, 1, 2, 0, 0], [0.5, 0.01, 0.9 * stop, 0.3, 0.2], [True, False, True])
+    assert depths.depths == [4, 4, 1] and depths.tracking
+    depths.observe([0.5, 0.5, 0.5, 0.5, 0.5], drafted=2)  # request 0's best chain: 0.25
+    assert depths.depths == [4, 4, 1]
+    depths.observe([0.3, 0.01, 0.5, 0.3, 0.3], drafted=3)  # 0.075, 0.045, 0.03: none holds 0.1
+    assert depths.depths == [3, 4, 1]
+    assert [depths.of_row(row) for row in range(5)] == [3, 4, 1, 3, 3]
+    assert depths.wanted(3) and not depths.wanted(4)
 
 
 def test_probabilistic_drafting_is_seeded_per_request_and_reports_target_probabilities():

@@ -13,7 +13,7 @@ from aphrodite import LLM, SamplingParams
 from sonar_core.engine.kv_budget import bytes_per_block
 from sonar_core.engine.speculator import Speculator
 from sonar_core.kv import KVLayerSpec
-from sonar_core.spec_decode import draft_sampling
+from sonar_core.spec_decode import chain_proposer
 from sonar_core.testing.branches import branch_on_every_step
 from sonar_core.testing.losslessness import outputs_with_aborts, random_prompts
 
@@ -73,7 +73,7 @@ def test_a_head_sure_of_its_first_draft_drafts_no_branches(confidence, branching
     """Branches are forked only where the head's probability of its first draft is below
     BRANCH_CONFIDENCE: at 0 every head is sure (chains alone), at infinity none is."""
     branch_on_every_step(monkeypatch)
-    monkeypatch.setattr(draft_sampling, "BRANCH_CONFIDENCE", confidence)
+    monkeypatch.setattr(chain_proposer, "BRANCH_CONFIDENCE", confidence)
     forked = []
     fork = Speculator._fork
 
@@ -83,13 +83,33 @@ def test_a_head_sure_of_its_first_draft_drafts_no_branches(confidence, branching
         return forks
 
     monkeypatch.setattr(Speculator, "_fork", counting)
-    options = HEADS["eagle3-speculators-reduced-vocab"]
-    config = {"method": "eagle3", "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
-              "num_draft_branches": 3}
-    tokens, llm = _generate(target, config, max_num_seqs=4, block_size=4)
+    tokens, llm = _generate(target, _branching_config(target, make_head), max_num_seqs=4, block_size=4)
     assert tokens == reference
     assert bool(forked) == branching
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(("stop", "depth"), [(0.0, 3), (math.inf, 1)])
+def test_chains_with_branches_stop_where_the_head_runs_out_of_probability(stop, depth, target, make_head,
+                                                                          reference, monkeypatch):
+    """A request with branches drafts no deeper once none of its chains holds CHAIN_STOP_CONFIDENCE
+    of the head's probability: at 0 every chain runs its three drafts, at infinity every request
+    keeps its first drafts only; the output is the plain one either way."""
+    branch_on_every_step(monkeypatch)
+    monkeypatch.setattr(chain_proposer, "CHAIN_STOP_CONFIDENCE", stop)
+    tokens, llm = _generate(target, _branching_config(target, make_head), max_num_seqs=4, block_size=4)
+    assert tokens == reference
+    metrics = llm.get_spec_decode_metrics()
+    if depth == 1:
+        assert metrics.num_draft_tokens == metrics.num_drafts > 0
+    else:
+        assert metrics.num_draft_tokens > 2 * metrics.num_drafts
+
+
+def _branching_config(target: Path, make_head) -> dict:
+    options = HEADS["eagle3-speculators-reduced-vocab"]
+    return {"method": "eagle3", "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
+            "num_draft_branches": 3}
 
 
 @pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])
