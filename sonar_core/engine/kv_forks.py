@@ -37,9 +37,9 @@ class KVForker:
             own: list[int] = []
             if not self.block_manager.grow(own, num_own * block_size):
                 break
-            if position % block_size:
-                self._copy_blocks([block_table[first]], own[:1])
             forks.append(KVFork(block_table[:first] + own, own, first))
+        if position % block_size:
+            self._copy_blocks([block_table[first]] * len(forks), [fork.own_blocks[0] for fork in forks])
         return forks
 
     def adopt(self, fork: KVFork, block_table: list[int], end: int) -> None:

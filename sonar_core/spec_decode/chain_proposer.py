@@ -276,13 +276,13 @@ def _branches(
     probs: torch.Tensor | None,
 ) -> list[list[DraftBranch]]:
     """Per request of the batch, its draft branches from the chain's branch rows (request by
-    request after the requests' own rows), cut to its max_draft_tokens."""
+    request after the requests' own rows, already cut to their request's depth)."""
     by_id: dict[str, list[DraftBranch]] = {}
     row = 0
     for request, request_forks in zip(drafting, forks, strict=True):
         branches = by_id.setdefault(request.request_id, [])
         for fork in request_forks:
-            tokens = token_rows[row][: request.max_draft_tokens]
+            tokens = token_rows[row]
             branch_probs = probs[len(drafting) + row, : len(tokens)] if probs is not None else None
             branches.append(DraftBranch(tokens, branch_probs, fork))
             row += 1
