@@ -58,9 +58,20 @@ class RMSNorm(nn.Module):
 
 def rms_norm_per_group(x: torch.Tensor, weights: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm` with ``weights[g]`` over each group ``g`` of ``x`` ``[..., G, H]`` (``weights``
-    ``[G, H]``), in one call: the same arithmetic as the class's PyTorch path (float32 statistics,
-    cast to ``x``'s dtype before the weight), for norms over slices of a row that are not
-    contiguous on their own (EAGLE-3's norm of each target layer's state)."""
+    ``[G, H]``), in one call: the class's arithmetic (float32 statistics, cast to ``x``'s dtype
+    before the weight), for norms over slices of a row that are not contiguous on their own
+    (EAGLE-3's norm of each target layer's state). Where Sonar's CPU kernels run, one kernel call
+    (row ``r`` of the flattened groups takes ``weights[r % G]``), as the class's norm of each
+    slice would be; elsewhere the class's PyTorch path (six operators)."""
+    kernels = cpu_kernels.for_tensor(x, weights)
+    if (
+        kernels is not None
+        and x.is_contiguous()
+        and weights.is_contiguous()
+        and weights.shape == x.shape[-2:]
+        and x.dtype == weights.dtype
+    ):
+        return kernels.rms_norm(x.view(-1, x.shape[-1]), weights, eps).view(x.shape)
     return weights * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 

@@ -145,11 +145,11 @@ class ChainProposer(Proposer):
             return DraftProposal([[] for _ in batch.requests])
         last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
         logits = self.head.compute_logits(out.index_select(0, last))
-        first = self.sampler.sample(logits, self.sampler.batch_for(drafting))
-        # Forked only now: the first pass wrote the draft KV that the forks copy.
         # The head's confidence is read (a device sync) only where some request may branch.
         may_branch = batch.fork is not None and any(r.max_draft_branches > 1 for r in drafting)
-        top = self.sampler.top_probabilities(logits) if may_branch else [1.0] * len(drafting)
+        first = self.sampler.sample(logits, self.sampler.batch_for(drafting), confidence=may_branch)
+        top = first.top_probabilities or [1.0] * len(drafting)
+        # Forked only now: the first pass wrote the draft KV that the forks copy.
         forks = [
             batch.fork(r, r.max_draft_branches - 1) if r.max_draft_branches > 1 and confidence < BRANCH_CONFIDENCE else []
             for r, confidence in zip(drafting, top, strict=True)
@@ -218,14 +218,14 @@ class ChainProposer(Proposer):
                 metadata = chain.metadata()
                 out, carry = self.head(token_ids, carry, chain.positions, batch.kv_caches, metadata, step)
                 step_logits = self.head.compute_logits(out)
-                sample = self.sampler.sample(step_logits, sampling)
+                sample = self.sampler.sample(step_logits, sampling, confidence=depths.tracking)
                 token_ids = sample.token_ids
                 steps_ids.append(sample.token_ids)
                 steps_probs.append(sample.probs)
                 chain.advance()
                 step += 1
-                if depths.tracking:
-                    depths.observe(self.sampler.top_probabilities(step_logits), step)
+                if sample.top_probabilities is not None:
+                    depths.observe(sample.top_probabilities, step)
         token_rows = [row[: depths.of_row(i)] for i, row in enumerate(torch.stack(steps_ids, dim=1).tolist())]
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
         return token_rows, probs

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonar_core.sample.greedy import argmax_rows
+from sonar_core.sample.greedy import argmax_and_top_probability, argmax_rows
 from sonar_core.sample.processing import SamplingBatch, processed_probs
 from sonar_core.sample.sampler import draw_race_weights
 from sonar_core.sampling_params import SamplingParams
@@ -34,6 +34,8 @@ class DraftSample:
 
     token_ids: torch.Tensor  # [R] int64 target ids
     probs: torch.Tensor | None  # [R, V] float32 target-vocabulary probabilities (probabilistic mode)
+    # Per row, the head's probability (temperature 1) of its most likely token, where asked for.
+    top_probabilities: list[float] | None = None
 
 
 class DraftSampler:
@@ -58,11 +60,17 @@ class DraftSampler:
         params = [r.params if r.params is not None else _GREEDY for r in requests]
         return SamplingBatch.from_params(params, [r.generator for r in requests], self.device)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch | None) -> DraftSample:
-        """``[R, Vd]`` draft logits -> one token per row (and its distribution when probabilistic)."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch | None, confidence: bool = False) -> DraftSample:
+        """``[R, Vd]`` draft logits -> one token per row (and its distribution when probabilistic;
+        with ``confidence``, the head's :meth:`top_probabilities` too, in the pick's kernel call
+        when greedy)."""
         logits = logits.float()
         if batch is None:
+            if confidence:
+                draft_ids, top = argmax_and_top_probability(logits)
+                return DraftSample(self.vocab_map.to_target(draft_ids), None, top.tolist())
             return DraftSample(self.vocab_map.to_target(argmax_rows(logits)), None)
+        top_probabilities = self.top_probabilities(logits) if confidence else None
         probs = processed_probs(logits, batch)
         if batch.all_greedy:
             draft_ids = argmax_rows(probs)
@@ -70,7 +78,7 @@ class DraftSampler:
             # The exponential race (see sonar_core.sample.sampler): greedy rows hold one-hot
             # probabilities and weight 1, so the same argmax picks their argmax.
             draft_ids = argmax_rows(probs * draw_race_weights(batch, probs.shape[-1], probs.device))
-        return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs))
+        return DraftSample(self.vocab_map.to_target(draft_ids), self.vocab_map.scatter_probs(probs), top_probabilities)
 
     @staticmethod
     def top_probabilities(logits: torch.Tensor) -> list[float]:

@@ -26,7 +26,7 @@ from sonar_core.layers.attention import (
 )
 from sonar_core.layers.norms import RMSNorm, ZeroCentredRMSNorm
 from sonar_core.layers.rotary import apply_rotary, rotate_
-from sonar_core.sample.greedy import argmax_rows
+from sonar_core.sample.greedy import argmax_and_top_probability, argmax_rows
 
 ops = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {cpu_kernels.problem()}")
@@ -123,6 +123,10 @@ def test_argmax_rows_picks_what_torch_argmax_picks(width):
         rows.append(with_inf)
     x = torch.stack(rows)
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    picks, top = ops.argmax_rows_top(x)
+    assert torch.equal(picks, x.argmax(dim=-1))
+    expected = torch.softmax(x, dim=-1).amax(dim=-1)
+    torch.testing.assert_close(top, expected, rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
 def test_greedy_picks_use_the_kernel_only_where_it_applies():
@@ -134,6 +138,22 @@ def test_greedy_picks_use_the_kernel_only_where_it_applies():
         assert torch.equal(argmax_rows(tensor), tensor.argmax(dim=-1))
     with cpu_kernels.disabled():
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_greedy_picks_with_their_probability_match_a_softmax_on_every_path():
+    """argmax_and_top_probability: the pick and the softmax probability of it, from the kernel or
+    from PyTorch's operators."""
+    x = torch.randn(4, 300) * 3
+    x[1, 40] = 30.0
+    expected = torch.softmax(x, dim=-1).amax(dim=-1)
+    for tensor in (x, x.t().contiguous().t()):
+        picks, top = argmax_and_top_probability(tensor)
+        assert torch.equal(picks, x.argmax(dim=-1))
+        torch.testing.assert_close(top, expected, rtol=1e-5, atol=1e-7)
+    with cpu_kernels.disabled():
+        picks, top = argmax_and_top_probability(x)
+    assert torch.equal(picks, x.argmax(dim=-1)) and torch.equal(top, expected)
+    assert top[1] > 0.99
 
 
 def _scenario(dtype, context_lens, query_lens, causal=True, heads=6, kv_heads=2, head_dim=32, block=4, seed=0):

@@ -110,6 +110,13 @@ def test_the_heads_top_probabilities_and_its_next_best_tokens():
     assert sampler.top_probabilities(logits) == pytest.approx([0.9, math.e**2 / (math.e**2 + math.e + 1)])
     assert sampler.top_probabilities(logits.to(torch.bfloat16)) == pytest.approx([0.9, 0.665], abs=2e-3)
     first = sampler.sample(logits, None).token_ids
+    assert sampler.sample(logits, None).top_probabilities is None  # only where asked for
+    confident = sampler.sample(logits, None, confidence=True)  # the pick's kernel call
+    assert confident.token_ids.tolist() == first.tolist() == [5, 8]
+    assert confident.top_probabilities == pytest.approx(sampler.top_probabilities(logits))
+    probabilistic = DraftSampler(sampler.vocab_map, probabilistic=True, device="cpu")
+    drawn = probabilistic.sample(logits, probabilistic.batch_for([_request(1, 1.0), _request(None, 0.0)]), True)
+    assert drawn.top_probabilities == pytest.approx(sampler.top_probabilities(logits))
     tokens, probabilities = sampler.alternatives(logits, first, [2, 1])
     assert tokens == [[3, 8], [3]]  # target ids, the chosen draft left out, most likely first
     assert probabilities[0] == pytest.approx([0.05, 0.05])

@@ -95,9 +95,9 @@ def test_the_check_catches_probabilities_in_the_wrong_vocabulary_slots(constant_
 
     sample = draft_sampling.DraftSampler.sample
 
-    def shifted(self, logits, batch):
-        drawn = sample(self, logits, batch)
-        return draft_sampling.DraftSample(drawn.token_ids, drawn.probs.roll(1, dims=-1))
+    def shifted(self, logits, batch, confidence=False):
+        drawn = sample(self, logits, batch, confidence)
+        return draft_sampling.DraftSample(drawn.token_ids, drawn.probs.roll(1, dims=-1), drawn.top_probabilities)
 
     monkeypatch.setattr(draft_sampling.DraftSampler, "sample", shifted)
     head = _matching_head(constant_target, tmp_path / "head", lm_head_noise=0.05)

@@ -6,7 +6,8 @@
 // * rotary_embedding_: RoPE applied in place to a strided [T, heads, head_dim] view.
 // * rms_norm, add_rms_norm: RMSNorm, and the residual add fused with the norm after it.
 // * silu_and_mul: the gated MLP's activation times the up projection.
-// * argmax_rows: each float32 row's greedy pick, as torch.argmax picks it.
+// * argmax_rows: each float32 row's greedy pick, as torch.argmax picks it (argmax_rows_top: with
+//   the softmax probability of that pick).
 //
 // Every kernel computes in float32 and rounds to the tensor's dtype exactly where the PyTorch
 // operators it replaces round (each PyTorch element-wise op rounds its result), so bfloat16
@@ -1227,20 +1228,23 @@ void rotary_embedding_(at::Tensor x, const at::Tensor& cos, const at::Tensor& si
 // ---- norms and the MLP activation -----------------------------------------------------------
 
 // out = weight * round(x / rms(x)), the order of sonar_core.layers.norms.RMSNorm; with `residual`,
-// x = round(x + residual) first and is returned too.
+// x = round(x + residual) first and is returned too. A [groups, width] weight takes row r's from
+// its row r % groups: the norms of a row's consecutive groups (rms_norm_per_group) in one call.
 template <typename T>
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                      at::Tensor& out, at::Tensor* summed) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* xp = x.data_ptr<T>();
   const T* rp = residual ? residual->data_ptr<T>() : nullptr;
-  const T* w = weight.data_ptr<T>();
+  const T* weights = weight.data_ptr<T>();
+  const int64_t groups = weight.dim() == 2 ? weight.size(0) : 1;
   T* op = out.data_ptr<T>();
   T* sp = summed ? summed->data_ptr<T>() : nullptr;
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * width;
+      const T* w = weights + (r % groups) * width;
       if (rp) {
         T* srow = sp + r * width;
         const T* rrow = rp + r * width;
@@ -1260,9 +1264,9 @@ void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [rows, width]");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be [width] of x's dtype");
+  TORCH_CHECK((weight.dim() == 1 || weight.dim() == 2) && weight.is_contiguous() &&
+                  weight.size(-1) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [width] or [groups, width] of x's dtype");
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -1404,6 +1408,35 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Each row's argmax and the softmax probability (temperature 1) of that maximum, 1 / sum(e^(x - max)):
+// how sure a draft head is of its greedy pick, in the same call as the pick (a softmax, a max and
+// their tensors cost a draft pass more than this sweep over a row it has just read). A row whose
+// pick is a NaN gets a NaN probability.
+std::tuple<at::Tensor, at::Tensor> argmax_rows_top(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax_rows_top: x must be contiguous float32 [rows, n] with n > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto picks = at::empty({rows}, x.options().dtype(at::kLong));
+  auto top = at::empty({rows}, x.options());
+  const float* data = x.data_ptr<float>();
+  int64_t* pick = picks.data_ptr<int64_t>();
+  float* probability = top.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / n);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = data + r * n;
+      pick[r] = argmax_row(row, n);
+      const float largest = row[pick[r]];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) sum += fast_exp(row[i] - largest);
+      probability[r] = largest != largest ? largest : 1.f / sum;
+    }
+  });
+  return {picks, top};
+}
+
 // Whether paged_attention is the faster path for verification steps (several queries per
 // sequence) too, not only for decode steps. AVX-512 builds share each key among a sequence's
 // queries (attend_lanes). AVX2 builds attend query by query (attend_decode), which still beats
@@ -1442,6 +1475,7 @@ TORCH_LIBRARY(sonar, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("argmax_rows_top(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sonar, CPU, m) {
@@ -1452,4 +1486,5 @@ TORCH_LIBRARY_IMPL(sonar, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("argmax_rows_top", &argmax_rows_top);
 }
