@@ -152,11 +152,14 @@ class MLARotary:
         self.rotary = RotaryEmbedding(config.rope)
         self.attention_factor = config.rope_attention_factor
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, signed_sin)``, each ``[T, 1, qk_rope_head_dim]``, for :func:`apply_rotary`."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)``, each ``[T, 1, qk_rope_head_dim]``, for :func:`apply_rotary`
+        (``upto`` as :meth:`RotaryEmbedding.cos_sin` takes it)."""
         if self.attention_factor == 1.0:
-            return self.rotary.cos_sin(positions, dtype)
-        cos, sin = self.rotary.cos_sin(positions, torch.float32)
+            return self.rotary.cos_sin(positions, dtype, upto)
+        cos, sin = self.rotary.cos_sin(positions, torch.float32, upto)
         return (cos * self.attention_factor).to(dtype), (sin * self.attention_factor).to(dtype)
 
 

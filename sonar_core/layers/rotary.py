@@ -142,7 +142,9 @@ class RotaryEmbedding:
             inv_freq = self._inv_freq_by_device[device] = self._inv_freq_cpu.to(device)
         return inv_freq
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed_sin)``, each ``[T, 1, rotary_dim]`` in ``dtype``, for :func:`apply_rotary`.
 
         The angles are formed in float32 (positions up to 10^6 lose precision in bf16). The sine
@@ -150,11 +152,14 @@ class RotaryEmbedding:
         negation per layer. On the CPU, rows come from tables of every position up to the largest
         asked for so far (grown by doubling, up to :data:`TABLE_MAX_POSITIONS`), the same values
         as computing them (``tests/models/test_rotary.py``); elsewhere finding the largest position
-        would wait for the device, so they are computed.
+        would wait for the device, so they are computed. ``upto``: a bound the caller knows on the
+        host (every position below it, such as a step's longest sequence), which spares reading
+        the largest position back (two operators of a draft pass, dear after a kernel has swept
+        the caches: see docs/performance.md).
         """
         if positions.device.type != "cpu" or positions.numel() == 0:
             return self._compute(positions, dtype)
-        needed = int(positions.max()) + 1
+        needed = upto if upto is not None else int(positions.max()) + 1
         tables = self._tables.get(dtype)
         if tables is None or tables[0].shape[0] < needed:
             if needed > TABLE_MAX_POSITIONS:

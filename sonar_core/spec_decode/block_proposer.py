@@ -84,7 +84,7 @@ class BlockDraftHead(nn.Module):
         x = embedding(token_ids)
         if self.layout.input_embedding_scale != 1.0:
             x = x * self.layout.input_embedding_scale
-        cos, sin = self.rotary.cos_sin(metadata.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(metadata.positions, x.dtype, metadata.max_seq_len)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, metadata)
         return self.norm(x)
@@ -92,7 +92,7 @@ class BlockDraftHead(nn.Module):
     def compute_logits(self, states: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` slot states -> float32 logits over the draft vocabulary."""
         lm_head = self.lm_head if self.layout.own_lm_head else self._shared[1]
-        logits = lm_head(states).float()
+        logits = lm_head.forward_float(states)
         if self.layout.output_multiplier != 1.0:
             logits = logits * self.layout.output_multiplier
         softcap = self.layout.final_logit_softcapping

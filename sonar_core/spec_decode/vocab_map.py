@@ -79,7 +79,9 @@ class DraftVocabularyMap:
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids (any shape) -> target ids."""
-        return draft_ids if self.is_identity else self.target_ids[draft_ids]
+        if self.is_identity:
+            return draft_ids
+        return self.target_ids.index_select(0, draft_ids.reshape(-1)).view(draft_ids.shape)
 
     def scatter_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[N, Vd]`` draft logits -> ``[N, V]`` target logits, ``-inf`` outside the draft vocabulary."""

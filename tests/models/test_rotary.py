@@ -34,3 +34,16 @@ def test_positions_past_the_table_bound_are_computed():
     cos, sin = rotary.cos_sin(far, torch.float32)
     assert not rotary._tables
     assert torch.equal(cos, rotary._compute(far, torch.float32)[0])
+
+
+def test_a_known_bound_gives_the_same_rows_and_a_short_one_fails():
+    """``upto`` (a bound the caller knows) only spares reading the largest position back."""
+    rotary = RotaryEmbedding(_config(64))
+    positions = torch.tensor([3, 1500, 700])
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = rotary._compute(positions, dtype)
+        for got, computed in zip(rotary.cos_sin(positions, dtype, upto=1501), expected, strict=True):
+            assert torch.equal(got, computed)
+    fresh = RotaryEmbedding(_config(64))
+    with pytest.raises(IndexError):
+        fresh.cos_sin(torch.tensor([5000]), torch.float32, upto=10)

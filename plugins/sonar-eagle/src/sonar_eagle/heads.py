@@ -83,13 +83,13 @@ class Eagle1Head(_EagleHead):
         step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fc(torch.cat((self.embed(token_ids), hidden), dim=-1))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, metadata)
         return x, x
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self._shared.lm_head(out).float()
+        return self._shared.lm_head.forward_float(out)
 
 
 class Eagle3FirstLayer(DecoderLayer):
@@ -176,7 +176,7 @@ class Eagle3Head(_EagleHead):
         step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self.embed(token_ids)
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype, metadata.max_seq_len)
         first, *rest = self.layers  # (slicing a ModuleList builds a new module on every pass)
         y = first(embeds, hidden, cos, sin, kv_caches[0], metadata)
         for layer, kv_cache in zip(rest, kv_caches[1:], strict=True):
@@ -186,7 +186,7 @@ class Eagle3Head(_EagleHead):
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         lm_head = self.lm_head if self.layout.own_lm_head else self._shared.lm_head
-        return lm_head(out).float()
+        return lm_head.forward_float(out)
 
 
 def head_class(layout: EagleLayout) -> type[_EagleHead]:

@@ -36,7 +36,9 @@ ASSISTANT_ARCHITECTURE = "Gemma4AssistantForCausalLM"
 class Rotary(Protocol):
     """A family's rotary table (Sonar's RoPE, or MLA's for DeepSeek)."""
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, upto: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class MtpHead(ChainDraftHead):
         step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = self._target.embed_tokens(token_ids)
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype, metadata.max_seq_len)
         if step == 0:
             # Every layer sees the target's states at the new positions, so each keeps a KV cache
             # without holes whichever step reuses it; the first draft comes from layer 0.
@@ -88,4 +88,4 @@ class MtpHead(ChainDraftHead):
         return self.layers[index](embeds, hidden, cos, sin, kv_caches[index], metadata)
 
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self._target.lm_head(out).float()
+        return self._target.lm_head.forward_float(out)
