@@ -34,12 +34,14 @@ struct alignas(64) TileConfig {
 
 // All eight tiles as 16 rows of 64 bytes, in the calling thread (each thread loads its own
 // configuration; _tile_release() when done, so that the kernel's tile state is not saved on
-// every context switch).
-inline void configure_tiles() {
+// every context switch). With `rows` (1-16), tiles 0-4 (a matmul's accumulators and the rows it
+// multiplies) are that many rows high: a call of fewer than 16 rows then loads and stores its
+// rows where they lie, with no zero-padded copy.
+inline void configure_tiles(int rows = 16) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
+    config.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
   }
   _tile_loadconfig(&config);
 }
