@@ -55,16 +55,21 @@ class _WholeDraft:
 BRANCH_ROW_LIMIT = 16
 
 
-def _checked_branches(branches: list[DraftBranch], drafts: list[int], request_id: str) -> list[DraftBranch]:
-    """A request's branches, after checking that they can be told apart from its drafts at the
-    first token (verification takes the chain whose first draft the target emits)."""
+def _checked_branches(branches: list[DraftBranch], drafts: list[int], request: ProposalRequest) -> list[DraftBranch]:
+    """A request's branches, after checking that each fits its fork (``max_branch_draft_tokens``)
+    and its request's drafts, and that they can be told apart from its drafts at the first token
+    (verification takes the chain whose first draft the target emits)."""
     if not branches:
         return []
-    if not drafts or any(not 0 < len(branch.token_ids) <= len(drafts) for branch in branches):
-        raise RuntimeError(f"request {request_id} got draft branches empty or longer than its own drafts")
+    longest = min(len(drafts), request.max_branch_draft_tokens)
+    if any(not 0 < len(branch.token_ids) <= longest for branch in branches):
+        raise RuntimeError(
+            f"request {request.request_id} got draft branches empty or longer than its own drafts or "
+            f"than max_branch_draft_tokens ({request.max_branch_draft_tokens})"
+        )
     firsts = [drafts[0]] + [branch.token_ids[0] for branch in branches]
     if len(set(firsts)) != len(firsts):
-        raise RuntimeError(f"request {request_id}'s draft branches do not each start with a token of their own")
+        raise RuntimeError(f"request {request.request_id}'s draft branches do not each start with a token of their own")
     return branches
 
 
@@ -226,10 +231,10 @@ class Speculator:
         drafting = [r for r in requests if r.max_draft_tokens > 0]
         rows = sum(1 + r.max_draft_tokens for r in drafting)
         for request in drafting:
-            chain_rows = 1 + request.max_draft_tokens
-            extra = min(self.num_draft_branches - 1, max(BRANCH_ROW_LIMIT - rows, 0) // chain_rows)
+            branch_rows = 1 + request.max_branch_draft_tokens
+            extra = min(self.num_draft_branches - 1, max(BRANCH_ROW_LIMIT - rows, 0) // branch_rows)
             request.max_draft_branches = 1 + extra
-            rows += extra * chain_rows
+            rows += extra * branch_rows
 
     def _fork(self, request: ProposalRequest, count: int) -> list[KVFork]:
         """ProposeBatch.fork: forks for the drafts after the request's newest token."""
@@ -238,7 +243,7 @@ class Speculator:
         if count <= 0 or request.request_id in self._forks:
             return []
         position = len(request.token_ids) - 1
-        forks = self.forker.fork(request.block_table, position, position + 1 + request.max_draft_tokens, count)
+        forks = self.forker.fork(request.block_table, position, position + 1 + request.max_branch_draft_tokens, count)
         self._forks[request.request_id] = forks
         return forks
 
@@ -259,7 +264,7 @@ class Speculator:
                     f"proposer {type(self.proposer).__name__} returned a draft branch for request "
                     f"{request.request_id} in a fork it was not given for it"
                 )
-            item.seq.draft_branches = _checked_branches(branches, item.seq.draft_token_ids, request.request_id)
+            item.seq.draft_branches = _checked_branches(branches, item.seq.draft_token_ids, request)
             self._free_forks([fork for fork in forks if id(fork) not in taken])
         for forks in made.values():
             self._free_forks(forks)

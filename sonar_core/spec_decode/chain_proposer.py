@@ -188,6 +188,7 @@ class ChainProposer(Proposer):
         first_ids, first_probs = first.token_ids, first.probs
         owners = [i for i, request_forks in enumerate(forks) for _ in request_forks]
         rows = requests + [requests[i] for i in owners]
+        row_drafts = [r.max_draft_tokens for r in requests] + [requests[i].max_branch_draft_tokens for i in owners]
         tables = [r.block_table for r in requests] + [fork.block_table for request_forks in forks for fork in request_forks]
         confidences = list(top)
         if owners:
@@ -199,7 +200,7 @@ class ChainProposer(Proposer):
             carry = torch.cat([carry, carry.index_select(0, owner_index)])
             if first_probs is not None:
                 first_probs = torch.cat([first_probs, first_probs.index_select(0, owner_index.to(first_probs.device))])
-        depths = _ChainDepths(requests, list(range(len(requests))) + owners, confidences, [bool(f) for f in forks])
+        depths = _ChainDepths(requests, list(range(len(requests))) + owners, row_drafts, confidences, [bool(f) for f in forks])
         sampling = self.sampler.batch_for(rows)
         steps_ids, steps_probs = [first_ids], [first_probs]
         if depths.wanted(1):
@@ -207,7 +208,7 @@ class ChainProposer(Proposer):
             # from position len(token_ids) + j - 3.
             chain = DraftChain(
                 [len(r.token_ids) - 1 for r in rows],
-                [len(r.token_ids) + max(r.max_draft_tokens, 2) - 3 for r in rows],
+                [len(r.token_ids) + max(drafts, 2) - 3 for r, drafts in zip(rows, row_drafts, strict=True)],
                 tables,
                 batch.block_size,
                 batch.device,
@@ -237,11 +238,17 @@ class _ChainDepths:
     the head's probability (the product of the head's top probabilities along the chain)."""
 
     def __init__(
-        self, requests: list[ProposalRequest], row_requests: list[int], confidences: list[float], branching: list[bool]
+        self,
+        requests: list[ProposalRequest],
+        row_requests: list[int],
+        row_drafts: list[int],
+        confidences: list[float],
+        branching: list[bool],
     ) -> None:
         self.depths = [r.max_draft_tokens for r in requests]
         self.tracking = any(branching)
         self._row_requests = row_requests
+        self._row_drafts = row_drafts
         self._paths = confidences
         self._branching = branching
         self._cut(1)
@@ -251,8 +258,9 @@ class _ChainDepths:
         return any(depth > drafted for depth in self.depths)
 
     def of_row(self, row: int) -> int:
-        """The drafts kept in chain row ``row``: its request's."""
-        return self.depths[self._row_requests[row]]
+        """The drafts kept in chain row ``row``: its request's, at most the row's own (a branch
+        carries fewer, :attr:`ProposalRequest.max_branch_draft_tokens`)."""
+        return min(self.depths[self._row_requests[row]], self._row_drafts[row])
 
     def observe(self, top: list[float], drafted: int) -> None:
         """The head's top probability on every row at the step that made draft ``drafted``."""
@@ -262,7 +270,8 @@ class _ChainDepths:
     def _cut(self, drafted: int) -> None:
         best = [0.0] * len(self.depths)
         for row, request in enumerate(self._row_requests):
-            best[request] = max(best[request], self._paths[row])
+            if self._row_drafts[row] > drafted:  # a chain that may still grow
+                best[request] = max(best[request], self._paths[row])
         for i, branching in enumerate(self._branching):
             if branching and best[i] < CHAIN_STOP_CONFIDENCE:
                 self.depths[i] = min(self.depths[i], drafted)

@@ -53,8 +53,10 @@ class BranchingScriptedProposer(ScriptedProposer):
     """Drafts ``1 + branches`` chains per request in KV forks: the right continuation sits in the
     chain at index ``len(tokens) % (branches + 2)`` (0: the request's own chain; ``branches + 1``:
     no chain starts right), with a wrong token at index ``(len(tokens) // (branches + 2)) %
-    (max_draft_tokens + 1)`` of it; every other chain starts with a wrong token of its own. So
-    verification takes each chain and accepts 0, some and all of its drafts in turn."""
+    (max_draft_tokens + 1)`` of it (none there: the own chain, where it is the only one that long); every
+    other chain starts with a wrong token of its own, and a branch carries one draft fewer than
+    the own chain (``max_branch_draft_tokens``). So verification takes each chain and accepts 0,
+    some and all of its drafts in turn."""
 
     capabilities = ProposerCapabilities(max_draft_branches=8)
 
@@ -67,7 +69,8 @@ class BranchingScriptedProposer(ScriptedProposer):
         branches: list[list[DraftBranch]] = []
         for request in batch.requests:
             tokens = request.token_ids
-            right = self._drafts_wrong_at(request, (len(tokens) // (self.branches + 2)) % (request.max_draft_tokens + 1))
+            wrong = (len(tokens) // (self.branches + 2)) % (request.max_draft_tokens + 1)
+            right = self._drafts_wrong_at(request, wrong)
             if not right:
                 drafts.append([])
                 branches.append([])
@@ -75,9 +78,12 @@ class BranchingScriptedProposer(ScriptedProposer):
             assert batch.fork is not None
             forks = batch.fork(request, self.branches)
             chains = [[(right[0] + 2 + i) % self.vocab_size] + right[1:] for i in range(len(forks) + 1)]
-            where = len(tokens) % (self.branches + 2)
+            # Every draft right, deeper than a branch reaches: the own chain holds them.
+            deepest = wrong == request.max_draft_tokens > request.max_branch_draft_tokens
+            where = 0 if deepest else len(tokens) % (self.branches + 2)
             if where <= len(forks):
                 chains[where] = right
             drafts.append(chains[0])
-            branches.append([DraftBranch(chain, None, fork) for chain, fork in zip(chains[1:], forks, strict=True)])
+            shorter = request.max_branch_draft_tokens  # what a fork holds
+            branches.append([DraftBranch(chain[:shorter], None, fork) for chain, fork in zip(chains[1:], forks, strict=True)])
         return DraftProposal(token_ids=drafts, branches=branches)

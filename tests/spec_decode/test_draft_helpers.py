@@ -128,7 +128,10 @@ def test_a_request_with_branches_stops_where_its_chains_run_out_of_probability()
     # Rows: request 0's chain and two branches, request 1's chain (no branches), request 2's chain
     # and one branch, whose first drafts hold 0.09 of the head's probability together at best.
     stop = CHAIN_STOP_CONFIDENCE
-    depths = _ChainDepths(requests, [0, 1, 2, 0, 0], [0.5, 0.01, 0.9 * stop, 0.3, 0.2], [True, False, True])
+    # Request 0's branches carry three drafts, one fewer than its own chain.
+    depths = _ChainDepths(
+        requests, [0, 1, 2, 0, 0], [4, 4, 3, 3, 3], [0.5, 0.01, 0.9 * stop, 0.3, 0.2], [True, False, True]
+    )
     assert depths.depths == [4, 4, 1] and depths.tracking
     depths.observe([0.5, 0.5, 0.5, 0.5, 0.5], drafted=2)  # request 0's best chain: 0.25
     assert depths.depths == [4, 4, 1]
@@ -136,6 +139,17 @@ def test_a_request_with_branches_stops_where_its_chains_run_out_of_probability()
     assert depths.depths == [3, 4, 1]
     assert [depths.of_row(row) for row in range(5)] == [3, 4, 1, 3, 3]
     assert depths.wanted(3) and not depths.wanted(4)
+
+
+def test_a_branch_that_has_all_its_drafts_no_longer_keeps_its_request_chaining():
+    requests = [SimpleNamespace(max_draft_tokens=4)]
+    stop = CHAIN_STOP_CONFIDENCE
+    # The own chain (four drafts) and one branch of two: the branch is the surer of the two.
+    depths = _ChainDepths(requests, [0, 0], [4, 2], [2 * stop, 0.9], [True])
+    depths.observe([0.6, 0.9], drafted=2)  # own chain 1.2 x stop, the branch done at two drafts
+    assert depths.depths == [4] and [depths.of_row(row) for row in range(2)] == [4, 2]
+    depths.observe([0.5, 0.9], drafted=3)  # own chain 0.6 x stop: the finished branch does not count
+    assert depths.depths == [3] and [depths.of_row(row) for row in range(2)] == [3, 2]
 
 
 def test_probabilistic_drafting_is_seeded_per_request_and_reports_target_probabilities():
