@@ -153,9 +153,9 @@ class RotaryEmbedding:
         asked for so far (grown by doubling, up to :data:`TABLE_MAX_POSITIONS`), the same values
         as computing them (``tests/models/test_rotary.py``); elsewhere finding the largest position
         would wait for the device, so they are computed. ``upto``: a bound the caller knows on the
-        host (every position below it, such as a step's longest sequence), which spares reading
-        the largest position back (two operators of a draft pass, dear after a kernel has swept
-        the caches: see docs/performance.md).
+        host (every position below it: a step's ``AttentionMetadata.max_seq_len``, which every
+        model and draft head passes), which spares reading the largest position back (two
+        operators a step, dear after a kernel has swept the caches: see docs/performance.md).
         """
         if positions.device.type != "cpu" or positions.numel() == 0:
             return self._compute(positions, dtype)

@@ -174,7 +174,7 @@ class LayerStackLM(CausalLM):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
         if capture is not None:
             capture.record(0, hidden)
         hidden = run_layers(self.model.layers, self._direct_layers(), hidden, cos, sin, kv_caches, attn_metadata, capture)

@@ -253,7 +253,9 @@ class Gemma4ForCausalLM(CausalLM):
                     "Gemma 4 per-layer input embeddings are looked up by token id: pass input_ids with inputs_embeds"
                 )
             per_layer = text.per_layer_inputs(input_ids, hidden)
-        tables = {kind: rotary.cos_sin(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
+        tables = {
+            kind: rotary.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len) for kind, rotary in self.rotary.items()
+        }
         if capture is not None:
             capture.record(0, hidden)
         for index, layer in enumerate(text.layers):

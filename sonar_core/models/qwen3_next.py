@@ -305,7 +305,7 @@ class Qwen3NextForCausalLM(LayerStackLM):
     ) -> torch.Tensor:
         batch = RecurrentBatch.build(attn_metadata, self.config.linear.conv_kernel)
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
         if capture is not None:
             capture.record(0, hidden)
         for index, layer in enumerate(self.model.layers):
