@@ -84,7 +84,7 @@ class DraftSampler:
     def top_probabilities(logits: torch.Tensor) -> list[float]:
         """Per row of ``[R, Vd]`` draft logits, the head's probability (temperature 1) of its most
         likely token: how sure it is there (the drafted token's probability when greedy)."""
-        return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+        return argmax_and_top_probability(logits.float())[1].tolist()
 
     def alternatives(
         self, logits: torch.Tensor, chosen: torch.Tensor, counts: list[int]
