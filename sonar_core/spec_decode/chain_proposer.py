@@ -18,9 +18,12 @@ With draft branches (``num_draft_branches`` > 1) a drafting request also gets th
 first tokens, each continued as a chain of its own in a KV fork of the request
 (``ProposeBatch.fork``, made after the first pass so the forks hold this step's draft KV); the
 branches are rows of the same chained steps. Branches go where the head is unsure: a request whose
-first draft has :data:`BRANCH_CONFIDENCE` of the head's probability drafts its chain alone, and
-one with branches stops chaining once its chains together hold little of the head's probability
-(:data:`CHAIN_STOP_CONFIDENCE`), reading the head's top probabilities back after each step.
+first draft has :data:`BRANCH_CONFIDENCE` of the head's probability drafts its chain alone.
+
+A request stops chaining once none of its chains holds enough of the head's probability
+(``speculative_config.draft_stop_confidence``, else :func:`resolved_stop_confidence`; :class:`ChainDepths`),
+reading the head's top probabilities back after each step: a deeper draft costs a draft pass and a
+verified row per chain, and one the head gives little chance is seldom accepted.
 
 Draft ids stay on the device for the whole chain and are read back once. The proposer keeps no
 per-request state: every step's first pass starts from the target's states, so preemption,
@@ -63,11 +66,24 @@ MAX_DRAFT_BRANCHES = 8
 # and a branch won 2% of those steps; from 0.8 to 0.9, 70% and 23%. Leaving those steps (27% of
 # them) without branches kept 2.517 of 2.523 tokens a step.
 BRANCH_CONFIDENCE = 0.9
-# A request with draft branches drafts no deeper once none of its chains holds at least this
-# much of the head's probability (the product of the head's top probabilities along the chain):
-# each step deeper costs a draft row and a target row per chain. On the same 600 steps a cut at
-# 0.1 kept 2.505 of 2.517 tokens a step and saved 0.5 ms of an 18.6 ms step (0.15: 2.49, 0.2: 2.46).
-CHAIN_STOP_CONFIDENCE = 0.1
+# The probability of a chain (the product of the head's top probabilities along it) below which a
+# request drafting its chain alone drafts no deeper, unless draft_stop_confidence says otherwise.
+# Measured with the shipped EAGLE-3 head on the chat benchmark (docs/performance.md, "Chains that
+# stop where the head is unsure"): five or six drafts cut at 0.3 beat three uncut by 4-5% on AMX
+# and by 10-17% where verified rows cost more (AVX2), where 0.4 measured alike or better.
+CHAIN_STOP_CONFIDENCE = 0.3
+# The same for a request with draft branches, where none of its chains holds this much. On the 600
+# steps above a cut at 0.1 kept 2.505 of 2.517 tokens a step and saved 0.5 ms of an 18.6 ms step;
+# 0.3 measured as fast but accepts less (2.47 against 2.62 tokens a step at five drafts).
+BRANCHES_STOP_CONFIDENCE = 0.1
+
+
+def resolved_stop_confidence(setting: float | None, branching: bool) -> float:
+    """The chain probability below which a request drafts no deeper: ``draft_stop_confidence``
+    where set, else the default for a request with draft branches or without."""
+    if setting is not None:
+        return setting
+    return BRANCHES_STOP_CONFIDENCE if branching else CHAIN_STOP_CONFIDENCE
 
 
 class ChainDraftHead(nn.Module, ABC):
@@ -119,9 +135,12 @@ class ChainDraftHead(nn.Module, ABC):
 class ChainProposer(Proposer):
     """Drives a :class:`ChainDraftHead` over the engine's steps (see the module docstring)."""
 
-    def __init__(self, head: ChainDraftHead, sampler: DraftSampler, max_depth: int | None = None) -> None:
+    def __init__(
+        self, head: ChainDraftHead, sampler: DraftSampler, stop_confidence: float | None, max_depth: int | None = None
+    ) -> None:
         self.head = head
         self.sampler = sampler
+        self.stop_confidence = stop_confidence
         self.capabilities = ProposerCapabilities(
             target_hidden_layers=head.target_hidden_layers,
             target_final_hidden=head.target_final_hidden,
@@ -145,9 +164,10 @@ class ChainProposer(Proposer):
             return DraftProposal([[] for _ in batch.requests])
         last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
         logits = self.head.compute_logits(out.index_select(0, last))
-        # The head's confidence is read (a device sync) only where some request may branch.
+        # The head's confidence is read (a device sync) only where a request may branch or stop.
         may_branch = batch.fork is not None and any(r.max_draft_branches > 1 for r in drafting)
-        first = self.sampler.sample(logits, self.sampler.batch_for(drafting), confidence=may_branch)
+        may_stop = self.stop_confidence != 0 and any(r.max_draft_tokens > 1 for r in drafting)
+        first = self.sampler.sample(logits, self.sampler.batch_for(drafting), confidence=may_branch or may_stop)
         top = first.top_probabilities or [1.0] * len(drafting)
         # Forked only now: the first pass wrote the draft KV that the forks copy.
         forks = [
@@ -184,7 +204,7 @@ class ChainProposer(Proposer):
         the head gave its top token ``top``); ``[R + B][<= k]`` ids and ``[R + B, k, V]``
         probabilities (probabilistic drafting): a row per request, then a row per draft branch
         (request by request), whose first draft is the next best after the request's and whose
-        chain runs in its fork. A request's rows are cut to the depth :class:`_ChainDepths` gives it."""
+        chain runs in its fork. A request's rows are cut to the depth :class:`ChainDepths` gives it."""
         first_ids, first_probs = first.token_ids, first.probs
         owners = [i for i, request_forks in enumerate(forks) for _ in request_forks]
         rows = requests + [requests[i] for i in owners]
@@ -200,7 +220,8 @@ class ChainProposer(Proposer):
             carry = torch.cat([carry, carry.index_select(0, owner_index)])
             if first_probs is not None:
                 first_probs = torch.cat([first_probs, first_probs.index_select(0, owner_index.to(first_probs.device))])
-        depths = _ChainDepths(requests, list(range(len(requests))) + owners, row_drafts, confidences, [bool(f) for f in forks])
+        stops = [resolved_stop_confidence(self.stop_confidence, bool(request_forks)) for request_forks in forks]
+        depths = ChainDepths(requests, list(range(len(requests))) + owners, row_drafts, confidences, stops)
         sampling = self.sampler.batch_for(rows)
         steps_ids, steps_probs = [first_ids], [first_probs]
         if depths.wanted(1):
@@ -232,10 +253,12 @@ class ChainProposer(Proposer):
         return token_rows, probs
 
 
-class _ChainDepths:
-    """How many drafts each request keeps. A request drafts its ``max_draft_tokens``, except that
-    one with draft branches stops once none of its chains holds :data:`CHAIN_STOP_CONFIDENCE` of
-    the head's probability (the product of the head's top probabilities along the chain)."""
+class ChainDepths:
+    """How many drafts each request keeps: its ``max_draft_tokens``, or fewer once none of its
+    chain rows that may still grow holds its ``stops`` entry of the head's probability (the product
+    of the head's top probabilities along the row). Rows are a request's own chain and its draft
+    branches (``row_requests`` gives each row's request, ``row_drafts`` the most it may draft). At
+    least the first draft is always kept."""
 
     def __init__(
         self,
@@ -243,15 +266,25 @@ class _ChainDepths:
         row_requests: list[int],
         row_drafts: list[int],
         confidences: list[float],
-        branching: list[bool],
+        stops: list[float],
     ) -> None:
         self.depths = [r.max_draft_tokens for r in requests]
-        self.tracking = any(branching)
+        self.stops = stops
+        # Whether the head's top probabilities are needed after each step (a device sync).
+        self.tracking = any(stop > 0 for stop in stops)
         self._row_requests = row_requests
         self._row_drafts = row_drafts
         self._paths = confidences
-        self._branching = branching
         self._cut(1)
+
+    @classmethod
+    def of_chains(cls, requests: list[ProposalRequest], setting: float | None) -> ChainDepths:
+        """One chain per request (no branches; ``setting``: ``draft_stop_confidence``), before its
+        first draft: :meth:`observe` that with ``drafted=1``."""
+        return cls(
+            requests, list(range(len(requests))), [r.max_draft_tokens for r in requests], [1.0] * len(requests),
+            [resolved_stop_confidence(setting, branching=False)] * len(requests),
+        )
 
     def wanted(self, drafted: int) -> bool:
         """Whether a request wants more than ``drafted`` drafts."""
@@ -272,8 +305,8 @@ class _ChainDepths:
         for row, request in enumerate(self._row_requests):
             if self._row_drafts[row] > drafted:  # a chain that may still grow
                 best[request] = max(best[request], self._paths[row])
-        for i, branching in enumerate(self._branching):
-            if branching and best[i] < CHAIN_STOP_CONFIDENCE:
+        for i, held in enumerate(best):
+            if held < self.stops[i]:
                 self.depths[i] = min(self.depths[i], drafted)
 
 

@@ -165,6 +165,20 @@ def test_num_speculative_tokens_must_be_positive(depth, lookup):
     assert "1 or more" in info.value.fix
 
 
+@pytest.mark.parametrize("stop", [-0.1, 1.5])
+def test_draft_stop_confidence_must_be_a_probability(stop, lookup):
+    with pytest.raises(ConfigError) as info:
+        validate({"method": "lookup", "num_speculative_tokens": 2, "draft_stop_confidence": stop}, lookup)
+    assert info.value.field == "speculative_config.draft_stop_confidence"
+    assert "between 0 and 1" in info.value.message and "set draft_stop_confidence to 0" in info.value.fix
+
+
+def test_draft_stop_confidence_is_warned_about_where_the_method_does_not_read_it(manager_with):
+    resolved = validate({"method": "lookup", "num_speculative_tokens": 2, "draft_stop_confidence": 0.5},
+                        manager_with(FakeMethodPlugin("lookup")))
+    assert any("draft_stop_confidence has no effect" in warning for warning in resolved.warnings)
+
+
 def test_num_speculative_tokens_is_required(lookup):
     with pytest.raises(ConfigError) as info:
         validate({"method": "lookup"}, lookup)

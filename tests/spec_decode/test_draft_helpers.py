@@ -14,7 +14,12 @@ from sonar_core.errors import ConfigError
 from sonar_core.layers.attention import AttentionMetadata
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode import layer_ids
-from sonar_core.spec_decode.chain_proposer import CHAIN_STOP_CONFIDENCE, _ChainDepths
+from sonar_core.spec_decode.chain_proposer import (
+    BRANCHES_STOP_CONFIDENCE,
+    CHAIN_STOP_CONFIDENCE,
+    ChainDepths,
+    resolved_stop_confidence,
+)
 from sonar_core.spec_decode.draft_attention import DraftChain, block_metadata
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest
@@ -123,29 +128,59 @@ def test_the_heads_top_probabilities_and_its_next_best_tokens():
     assert probabilities[1] == pytest.approx([math.e / (math.e**2 + math.e + 1)])
 
 
-def test_a_request_with_branches_stops_where_its_chains_run_out_of_probability():
-    requests = [SimpleNamespace(max_draft_tokens=4), SimpleNamespace(max_draft_tokens=4), SimpleNamespace(max_draft_tokens=3)]
-    # Rows: request 0's chain and two branches, request 1's chain (no branches), request 2's chain
-    # and one branch, whose first drafts hold 0.09 of the head's probability together at best.
-    stop = CHAIN_STOP_CONFIDENCE
+def test_a_request_stops_where_its_chains_run_out_of_probability():
+    requests = [SimpleNamespace(max_draft_tokens=4), SimpleNamespace(max_draft_tokens=4),
+                SimpleNamespace(max_draft_tokens=3), SimpleNamespace(max_draft_tokens=4)]
+    # Rows: the own chains of requests 0 to 3, then request 0's two branches. Requests 1 and 2
+    # draft alone and their first drafts hold less than the stop; request 3's holds more.
+    stop = 0.1
     # Request 0's branches carry three drafts, one fewer than its own chain.
-    depths = _ChainDepths(
-        requests, [0, 1, 2, 0, 0], [4, 4, 3, 3, 3], [0.5, 0.01, 0.9 * stop, 0.3, 0.2], [True, False, True]
-    )
-    assert depths.depths == [4, 4, 1] and depths.tracking
-    depths.observe([0.5, 0.5, 0.5, 0.5, 0.5], drafted=2)  # request 0's best chain: 0.25
-    assert depths.depths == [4, 4, 1]
-    depths.observe([0.3, 0.01, 0.5, 0.3, 0.3], drafted=3)  # 0.075, 0.045, 0.03: none holds 0.1
-    assert depths.depths == [3, 4, 1]
-    assert [depths.of_row(row) for row in range(5)] == [3, 4, 1, 3, 3]
+    depths = ChainDepths(requests, [0, 1, 2, 3, 0, 0], [4, 4, 3, 4, 3, 3], [0.5, 0.01, 0.9 * stop, 0.6, 0.3, 0.2],
+                         [stop] * 4)
+    assert depths.depths == [4, 1, 1, 4] and depths.tracking
+    depths.observe([0.5] * 6, drafted=2)  # request 0's best chain: 0.25, request 3's 0.3
+    assert depths.depths == [4, 1, 1, 4]
+    # Request 0: 0.075 on its own chain; its branches, done at three drafts, no longer count.
+    depths.observe([0.3, 0.01, 0.5, 0.5, 0.3, 0.3], drafted=3)
+    assert depths.depths == [3, 1, 1, 4]
+    assert [depths.of_row(row) for row in range(6)] == [3, 1, 1, 4, 3, 3]
     assert depths.wanted(3) and not depths.wanted(4)
+
+
+def test_a_stop_of_zero_drafts_every_chain_to_its_depth():
+    requests = [SimpleNamespace(max_draft_tokens=3), SimpleNamespace(max_draft_tokens=2)]
+    depths = ChainDepths.of_chains(requests, 0.0)
+    assert not depths.tracking and depths.wanted(1)
+    assert [depths.of_row(row) for row in range(2)] == [3, 2]
+
+
+def test_unset_stops_are_the_defaults_for_chains_alone_and_with_branches():
+    assert resolved_stop_confidence(None, branching=False) == CHAIN_STOP_CONFIDENCE
+    assert resolved_stop_confidence(None, branching=True) == BRANCHES_STOP_CONFIDENCE
+    assert resolved_stop_confidence(0.0, branching=True) == resolved_stop_confidence(0.0, branching=False) == 0.0
+    requests = [SimpleNamespace(max_draft_tokens=3)]
+    # A chain between the two defaults: kept by a request with branches, cut by one alone.
+    between = (CHAIN_STOP_CONFIDENCE + BRANCHES_STOP_CONFIDENCE) / 2
+    assert ChainDepths(requests, [0], [3], [between], [resolved_stop_confidence(None, True)]).depths == [3]
+    assert ChainDepths(requests, [0], [3], [between], [resolved_stop_confidence(None, False)]).depths == [1]
+
+
+def test_chains_observed_from_their_first_draft_stop_like_chains_given_it():
+    """ChainDepths.of_chains (drafters whose loop makes the first draft too) cuts as the chain
+    proposer's ChainDepths given the first draft's probability does."""
+    requests = [SimpleNamespace(max_draft_tokens=3), SimpleNamespace(max_draft_tokens=3)]
+    observed = ChainDepths.of_chains(requests, 0.3)
+    assert observed.depths == [3, 3]
+    observed.observe([0.2, 0.9], drafted=1)
+    given = ChainDepths(requests, [0, 1], [3, 3], [0.2, 0.9], [0.3, 0.3])
+    assert observed.depths == given.depths == [1, 3]
 
 
 def test_a_branch_that_has_all_its_drafts_no_longer_keeps_its_request_chaining():
     requests = [SimpleNamespace(max_draft_tokens=4)]
-    stop = CHAIN_STOP_CONFIDENCE
+    stop = 0.1
     # The own chain (four drafts) and one branch of two: the branch is the surer of the two.
-    depths = _ChainDepths(requests, [0, 0], [4, 2], [2 * stop, 0.9], [True])
+    depths = ChainDepths(requests, [0, 0], [4, 2], [2 * stop, 0.9], [stop])
     depths.observe([0.6, 0.9], drafted=2)  # own chain 1.2 x stop, the branch done at two drafts
     assert depths.depths == [4] and [depths.of_row(row) for row in range(2)] == [4, 2]
     depths.observe([0.5, 0.9], drafted=3)  # own chain 0.6 x stop: the finished branch does not count

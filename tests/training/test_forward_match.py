@@ -80,7 +80,8 @@ def test_the_engines_drafts_are_the_trainers_predictions(tmp_path, monkeypatch, 
     monkeypatch.setattr(ChainProposer, "propose", recording)
     spec = data_spec(target)
     llm = LLM(model=str(target), dtype="float32", max_num_seqs=spec.max_num_seqs,
-              speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": DEPTH})
+              speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": DEPTH,
+                                  "draft_stop_confidence": 0})
     prompts = training_prompts(spec)
     llm.chat([list(p.messages) for p in prompts], SamplingParams(temperature=0.0, max_tokens=spec.max_tokens),
              use_tqdm=False)

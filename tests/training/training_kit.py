@@ -105,6 +105,6 @@ def draft_eagle3_chain(out_dir: Path, training_target: TrainingTarget, dataset: 
     recorded = recording_logits(head)
     record = dataset.load([0], trainer.layers, final=True)[0]
     m = min(record.num_rows, 20)
-    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu")), record.token_ids[: m + 1].tolist(),
+    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu"), stop_confidence=0.0), record.token_ids[: m + 1].tolist(),
                           m, record.aux, trainer.layers, training_target.hidden_size)
     return DraftedChain(trainer, head, vocab_map, recorded, record, m, drafts)

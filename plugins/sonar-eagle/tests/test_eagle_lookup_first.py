@@ -63,7 +63,7 @@ def test_greedy_output_equals_plain_output(target, make_head, monkeypatch, branc
     monkeypatch.setattr(LookupFirstProposer, "_look_up", counting)
     head = make_head(target, method="eagle3", layout="speculators", draft_vocab_size=128)
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 6, "prompt_lookup_max": 3,
-              "num_draft_branches": branches}
+              "num_draft_branches": branches, "draft_stop_confidence": 0}
     branched: list[int] = []
     drop = Speculator.drop_branches
 

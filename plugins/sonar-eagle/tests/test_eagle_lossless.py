@@ -43,10 +43,14 @@ def reference(target: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-@pytest.mark.parametrize(("batch", "depth"), [(1, 1), (8, 3), (8, 6)])
-def test_greedy_output_equals_plain_output(head, batch, depth, target, make_head, reference):
+@pytest.mark.parametrize(("batch", "depth", "stop"), [(1, 1, None), (8, 3, None), (8, 6, 0.0)])
+def test_greedy_output_equals_plain_output(head, batch, depth, stop, target, make_head, reference):
+    """Chains that stop where the head is unsure (the default draft_stop_confidence), and chains
+    always at full depth (0)."""
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": depth}
+    if stop is not None:
+        config["draft_stop_confidence"] = stop
     tokens, llm = _generate(target, config, max_num_seqs=batch)
     assert tokens == reference
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
@@ -61,7 +65,7 @@ def test_draft_branches_keep_greedy_output(head, batch, depth, branches, target,
     branch_on_every_step(monkeypatch)
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)),
-              "num_speculative_tokens": depth, "num_draft_branches": branches}
+              "num_speculative_tokens": depth, "num_draft_branches": branches, "draft_stop_confidence": 0}
     tokens, llm = _generate(target, config, max_num_seqs=batch, block_size=4)
     assert tokens == reference
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
@@ -89,15 +93,16 @@ def test_a_head_sure_of_its_first_draft_drafts_no_branches(confidence, branching
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
 
 
-@pytest.mark.parametrize(("stop", "depth"), [(0.0, 3), (math.inf, 1)])
-def test_chains_with_branches_stop_where_the_head_runs_out_of_probability(stop, depth, target, make_head,
-                                                                          reference, monkeypatch):
-    """A request with branches drafts no deeper once none of its chains holds CHAIN_STOP_CONFIDENCE
-    of the head's probability: at 0 every chain runs its three drafts, at infinity every request
-    keeps its first drafts only; the output is the plain one either way."""
+@pytest.mark.parametrize("branches", [1, 3], ids=["chains-alone", "with-branches"])
+@pytest.mark.parametrize(("stop", "depth"), [(0.0, 3), (1.0, 1)])
+def test_chains_stop_where_the_head_runs_out_of_probability(branches, stop, depth, target, make_head, reference,
+                                                            monkeypatch):
+    """A request drafts no deeper once none of its chains holds draft_stop_confidence of the head's
+    probability: at 0 every chain runs its three drafts, at 1 every request keeps its first drafts
+    only (a random head is never certain); the output is the plain one either way."""
     branch_on_every_step(monkeypatch)
-    monkeypatch.setattr(chain_proposer, "CHAIN_STOP_CONFIDENCE", stop)
-    tokens, llm = _generate(target, _branching_config(target, make_head), max_num_seqs=4, block_size=4)
+    config = {**_branching_config(target, make_head), "num_draft_branches": branches, "draft_stop_confidence": stop}
+    tokens, llm = _generate(target, config, max_num_seqs=4, block_size=4)
     assert tokens == reference
     metrics = llm.get_spec_decode_metrics()
     if depth == 1:
@@ -109,7 +114,7 @@ def test_chains_with_branches_stop_where_the_head_runs_out_of_probability(stop, 
 def _branching_config(target: Path, make_head) -> dict:
     options = HEADS["eagle3-speculators-reduced-vocab"]
     return {"method": "eagle3", "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
-            "num_draft_branches": 3}
+            "num_draft_branches": 3, "draft_stop_confidence": 0}
 
 
 @pytest.mark.parametrize("head", ["eagle3-speculators-reduced-vocab", "eagle1"])

@@ -49,7 +49,7 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(
     branch_on_every_step(monkeypatch)
     options = HEADS[head]
     config = {"method": options["method"], "model": str(make_head(target, **options)), "num_speculative_tokens": 3,
-              "num_draft_branches": branches}
+              "num_draft_branches": branches, "draft_stop_confidence": 0}
     engines = {
         caching: LLM(model=str(target), dtype="float32", device="cpu", block_size=BLOCK, speculative_config=config,
                      enable_prefix_caching=caching)
@@ -69,7 +69,8 @@ def test_a_request_after_cached_blocks_finds_the_draft_kv_it_would_write(
 def test_a_batch_sharing_prefixes_keeps_greedy_output(target, make_head, branches, step_tokens, monkeypatch):
     branch_on_every_step(monkeypatch)
     head = make_head(target, **HEADS["eagle3"])
-    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "num_draft_branches": branches}
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "num_draft_branches": branches,
+              "draft_stop_confidence": 0}
     first, followers = _prompts()
     prompts = [first, *followers] * 2
 

@@ -53,7 +53,8 @@ def _matching_head(target: Path, out: Path, lm_head_noise: float) -> Path:
 
 
 def _llm(target: Path, head: Path, depth: int):
-    return probabilistic_llm(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": depth})
+    return probabilistic_llm(target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": depth,
+                                      "draft_stop_confidence": 0})
 
 
 def test_a_head_drafting_the_targets_distribution_is_always_accepted(constant_target, tmp_path):
@@ -80,7 +81,7 @@ def test_sampled_output_with_draft_branches_follows_the_target_distribution(
     branch_on_every_step(monkeypatch)
     head = _matching_head(constant_target, tmp_path / "head", lm_head_noise=0.05)
     config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, "num_draft_branches": 3,
-              "draft_sample_method": draft_sample_method}
+              "draft_sample_method": draft_sample_method, "draft_stop_confidence": 0}
     llm = LLM(model=str(constant_target), dtype="float32", device="cpu", max_num_seqs=256, speculative_config=config)
     results = sampled_output_distances(llm, top_k=TOP_K)
     # Three first drafts out of the four tokens the target samples from: most first tokens match.

@@ -72,7 +72,7 @@ def test_greedy_output_equals_plain_output(depth, batch, mimo, reference):
 def test_draft_branches_keep_greedy_output(depth, mimo, reference, monkeypatch):
     """Chains from the MTP layer's next best first tokens, verified beside the request's chain."""
     branch_on_every_step(monkeypatch)
-    config = {"method": "mtp", "num_speculative_tokens": depth, "num_draft_branches": 3}
+    config = {"method": "mtp", "num_speculative_tokens": depth, "num_draft_branches": 3, "draft_stop_confidence": 0}
     tokens, llm = greedy_outputs(mimo, _prompts(), config, max_num_seqs=8, block_size=4)
     assert tokens == reference
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
@@ -80,7 +80,8 @@ def test_draft_branches_keep_greedy_output(depth, mimo, reference, monkeypatch):
 
 def test_two_layers_in_turn_keep_greedy_output(mimo_two_layers, reference):
     for depth in (2, 4):
-        tokens, llm = greedy_outputs(mimo_two_layers, _prompts(), {"method": "mtp", "num_speculative_tokens": depth})
+        config = {"method": "mtp", "num_speculative_tokens": depth, "draft_stop_confidence": 0}  # both layers drafting
+        tokens, llm = greedy_outputs(mimo_two_layers, _prompts(), config)
         assert tokens == reference
     assert len(llm.engine.speculator.proposer.head.layers) == 2
 
@@ -133,7 +134,8 @@ class MimoReference:
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
 def test_drafts_equal_the_published_mtp_forward(chunked, mimo):
     extra = {"max_num_batched_tokens": 8, "max_num_seqs": 4} if chunked else {}
-    llm = LLM(model=str(mimo), dtype="float32", device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **extra)
+    config = {"method": "mtp", "num_speculative_tokens": 3, "draft_stop_confidence": 0}  # every chain at full depth
+    llm = LLM(model=str(mimo), dtype="float32", device="cpu", speculative_config=config, **extra)
     reference = MimoReference(mimo)
     assert check_drafts_from_states(llm, _prompts(6), lambda hidden: hidden.final, reference.drafts) > 10
 
@@ -164,7 +166,7 @@ def _matching_mtp_target(qwen2: Path, out: Path, noise: float) -> Path:
 
 def test_an_mtp_layer_of_the_targets_distribution_is_always_accepted(qwen2, tmp_path):
     target = _matching_mtp_target(qwen2, tmp_path / "t", 0.0)
-    llm = probabilistic_llm(target, {"method": "mtp", "num_speculative_tokens": 3})
+    llm = probabilistic_llm(target, {"method": "mtp", "num_speculative_tokens": 3, "draft_stop_confidence": 0})
     assert per_position_acceptance(llm, depth=3) == [1.0, 1.0, 1.0]
 
 

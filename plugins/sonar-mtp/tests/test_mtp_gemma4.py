@@ -67,7 +67,7 @@ class TransformersAssistant:
 
 
 def _config(assistant: Path, depth: int = DEPTH) -> dict:
-    return {"method": "mtp", "model": str(assistant), "num_speculative_tokens": depth}
+    return {"method": "mtp", "model": str(assistant), "num_speculative_tokens": depth, "draft_stop_confidence": 0}
 
 
 @pytest.mark.parametrize("name", ["plain-head", "ordered-embeddings"])
@@ -85,6 +85,17 @@ def test_greedy_output_equals_plain_output(target, assistants):
     assert llm.get_spec_decode_metrics().num_draft_tokens > 0
     probabilistic = {**_config(assistants["plain-head"]), "draft_sample_method": "probabilistic"}
     assert greedy_outputs(target, _prompts(8), probabilistic, max_num_seqs=3, max_num_batched_tokens=8)[0] == reference
+
+
+def test_an_assistant_stops_where_it_runs_out_of_probability(target, assistants):
+    """draft_stop_confidence 1: a random assistant is never certain, so every request keeps its
+    first draft only; the output is the plain one."""
+    reference = greedy_outputs(target, _prompts(8), max_num_seqs=8)[0]
+    config = {**_config(assistants["plain-head"]), "draft_stop_confidence": 1.0}
+    tokens, llm = greedy_outputs(target, _prompts(8), config, max_num_seqs=8)
+    assert tokens == reference
+    metrics = llm.get_spec_decode_metrics()
+    assert metrics.num_draft_tokens == metrics.num_drafts > 0
 
 
 def test_a_gemma4_target_needs_its_assistant(target):

@@ -65,7 +65,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
         model = str(unpacked_head(bundle, context.target_model_dir))
     checkpoint = DraftCheckpoint.open(model)
     head, vocab_map = load_head(checkpoint, config.method, context.target_modules, context.dtype, context.device)
-    proposer = ChainProposer(head, DraftSampler.for_context(vocab_map, context))
+    proposer = ChainProposer(head, DraftSampler.for_context(vocab_map, context), config.draft_stop_confidence)
     if not _looks_up(config):
         return proposer
     from sonar_core.spec_decode.lookup_first import LookupFirstProposer
@@ -94,7 +94,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
                 # prompt_lookup_*: lookup in front of the head (sonar_core.spec_decode.lookup_first).
                 core_fields=frozenset(
                     {"attention_backend", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max",
-                     "num_draft_branches"}
+                     "num_draft_branches", "draft_stop_confidence"}
                 ),
                 create_proposer=create_proposer,
                 description=DESCRIPTIONS[method],

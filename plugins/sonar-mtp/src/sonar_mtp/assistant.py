@@ -31,6 +31,7 @@ from sonar_core.layers.gemma4 import Gemma4DecoderLayer, Gemma4LayerConfig, Gemm
 from sonar_core.layers.linear import Linear
 from sonar_core.models.base import TargetModules
 from sonar_core.models.gemma4 import gemma4_layer_config, rotary_embeddings
+from sonar_core.spec_decode.chain_proposer import ChainDepths
 from sonar_core.spec_decode.draft_attention import DraftChain
 from sonar_core.spec_decode.draft_checkpoint import FIELD
 from sonar_core.spec_decode.draft_sampling import DraftSampler
@@ -127,9 +128,10 @@ class Gemma4AssistantHead(nn.Module):
 class Gemma4AssistantProposer(Proposer):
     """Drives :class:`Gemma4AssistantHead` (see the module docstring)."""
 
-    def __init__(self, head: Gemma4AssistantHead, sampler: DraftSampler) -> None:
+    def __init__(self, head: Gemma4AssistantHead, sampler: DraftSampler, stop_confidence: float | None) -> None:
         self.head = head
         self.sampler = sampler
+        self.stop_confidence = stop_confidence
         self.capabilities = ProposerCapabilities(
             target_final_hidden=True, reads_target_kv=True, returns_draft_probs=sampler.probabilistic
         )
@@ -149,13 +151,16 @@ class Gemma4AssistantProposer(Proposer):
         tokens = torch.tensor([r.token_ids[-1] for r in drafting], dtype=torch.int64, device=batch.device)
         sampling = self.sampler.batch_for(drafting)
         steps_ids, steps_probs = [], []
-        for _ in range(max(r.max_draft_tokens for r in drafting)):
+        depths = ChainDepths.of_chains(drafting, self.stop_confidence)
+        while depths.wanted(len(steps_ids)):
             logits, hidden = self.head.step(tokens, hidden, tables, batch.target_kv_caches, metadata)
-            sample = self.sampler.sample(logits, sampling)
+            sample = self.sampler.sample(logits, sampling, confidence=depths.tracking)
             tokens = sample.token_ids
             steps_ids.append(tokens)
             steps_probs.append(sample.probs)
-        token_rows = torch.stack(steps_ids, dim=1).tolist()
+            if sample.top_probabilities is not None:
+                depths.observe(sample.top_probabilities, len(steps_ids))
+        token_rows = [row[: depths.of_row(i)] for i, row in enumerate(torch.stack(steps_ids, dim=1).tolist())]
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
         return DraftProposal.from_rows(batch.requests, drafting, token_rows, probs)
 

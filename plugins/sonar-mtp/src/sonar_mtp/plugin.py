@@ -172,15 +172,16 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     from sonar_core.spec_decode.head_loading import load_head_checkpoint
 
     target = TargetInfo.from_model_dir(context.target_model_dir)
+    stop_confidence = context.speculative_config.draft_stop_confidence
     if _architecture(target) in ASSISTANT_TARGETS:
         from sonar_mtp.assistant import Gemma4AssistantProposer
 
         checkpoint, spec = _checked_assistant(context.speculative_config, target)
         head, vocab_map = load_head_checkpoint(checkpoint, spec, context.target_modules, context.dtype, context.device)
-        return Gemma4AssistantProposer(head, DraftSampler.for_context(vocab_map, context))
+        return Gemma4AssistantProposer(head, DraftSampler.for_context(vocab_map, context), stop_confidence)
     _, checkpoint, spec, _ = _checked(target)
     head, vocab_map = load_head_checkpoint(checkpoint, spec, context.target_modules, context.dtype, context.device)
-    return ChainProposer(head, DraftSampler.for_context(vocab_map, context))
+    return ChainProposer(head, DraftSampler.for_context(vocab_map, context), stop_confidence)
 
 
 @hookimpl
@@ -188,7 +189,7 @@ def sonar_register_methods(registry: MethodRegistry) -> None:
     registry.register(
         MethodSpec(
             name=METHOD,
-            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "num_draft_branches"}),
+            core_fields=frozenset({"attention_backend", "draft_tensor_parallel_size", "num_draft_branches", "draft_stop_confidence"}),
             create_proposer=create_proposer,
             description="Multi-token prediction layers shipped with the target checkpoint",
             options_model=MtpOptions,
