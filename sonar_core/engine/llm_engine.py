@@ -36,7 +36,7 @@ from sonar_core.engine.verifier import Verifier
 from sonar_core.errors import ConfigError
 from sonar_core.hub import FileSet
 from sonar_core.kv import RecurrentStateCache, StateLayerSpec, allocate_kv_cache
-from sonar_core.layers.linear import skinny_linear_path
+from sonar_core.layers.linear import extra_rows_cost_little, skinny_linear_path
 from sonar_core.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from sonar_core.models.hidden_capture import HiddenStateCapture
 from sonar_core.models.loader import LoadedModel, load_model, load_tokenizer
@@ -213,17 +213,16 @@ class LLMEngine:
     def _say_when_branches_cost(self, speculative: SpeculativeConfig) -> None:
         """Draft branches pay where extra verified rows cost next to nothing: on the CPU, in
         bfloat16 on AMX tiles. Elsewhere they measured slower than a chain (docs/performance.md)."""
-        if speculative.num_draft_branches == 1 or self.device.type != "cpu":
+        if speculative.num_draft_branches == 1 or extra_rows_cost_little(self.device, self.dtype):
             return
         path = skinny_linear_path(self.dtype) or "PyTorch's"
-        if path != "amx":
-            logger.warning(
-                "speculative_config.num_draft_branches=%d: this CPU verifies %s rows with %s matmuls, not AMX "
-                "tiles, and every branch adds num_speculative_tokens + 1 rows; branches measured slower than a "
-                "single chain there (docs/performance.md). Remove num_draft_branches unless a benchmark here "
-                "says otherwise",
-                speculative.num_draft_branches, str(self.dtype).removeprefix("torch."), path,
-            )
+        logger.warning(
+            "speculative_config.num_draft_branches=%d: this CPU verifies %s rows with %s matmuls, not AMX "
+            "tiles, and every branch adds num_speculative_tokens + 1 rows; branches measured slower than a "
+            "single chain there (docs/performance.md). Remove num_draft_branches unless a benchmark here "
+            "says otherwise",
+            speculative.num_draft_branches, str(self.dtype).removeprefix("torch."), path,
+        )
 
     def _say_where_the_draft_runs(self, speculative: SpeculativeConfig) -> None:
         """A draft asked to split over the target's ranks that the method keeps whole on the driver."""

@@ -70,6 +70,14 @@ def skinny_linear_path(dtype: torch.dtype) -> str | None:
     return ops.skinny_linear_path(dtype) if ops is not None else None
 
 
+def extra_rows_cost_little(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matmul of a few more rows (a verification step's drafts, draft branches) costs
+    next to what one row costs: on accelerators, and on CPUs whose skinny kernel multiplies
+    ``dtype`` on AMX tiles. Elsewhere on the CPU every row adds its multiply-adds, and a
+    verification step of six rows measured 1.3-1.5 decode steps (docs/performance.md)."""
+    return device.type != "cpu" or skinny_linear_path(dtype) == "amx"
+
+
 def skinny_rows_limit(dtype: torch.dtype) -> int:
     """The most rows for which :class:`Linear` takes the skinny kernel on this CPU (0: never)."""
     path = skinny_linear_path(dtype)

@@ -21,7 +21,7 @@ branches are rows of the same chained steps. Branches go where the head is unsur
 first draft has :data:`BRANCH_CONFIDENCE` of the head's probability drafts its chain alone.
 
 A request stops chaining once none of its chains holds enough of the head's probability
-(``speculative_config.draft_stop_confidence``, else :func:`resolved_stop_confidence`; :class:`ChainDepths`),
+(``speculative_config.draft_stop_confidence``, else :class:`ChainStops`' defaults; :class:`ChainDepths`),
 reading the head's top probabilities back after each step: a deeper draft costs a draft pass and a
 verified row per chain, and one the head gives little chance is seldom accepted.
 
@@ -38,12 +38,14 @@ and the first pass of that request starts at its first uncached position.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sonar_core.kv import KVCache, KVLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.layers.linear import extra_rows_cost_little
 from sonar_core.spec_decode.draft_attention import DraftChain, first_pass_metadata
 from sonar_core.spec_decode.draft_sampling import DraftSample, DraftSampler
 from sonar_core.spec_decode.proposer import (
@@ -54,6 +56,7 @@ from sonar_core.spec_decode.proposer import (
     ProposeBatch,
     Proposer,
     ProposerCapabilities,
+    ProposerContext,
     TargetHiddenStates,
     drafting_last_rows,
 )
@@ -67,23 +70,45 @@ MAX_DRAFT_BRANCHES = 8
 # them) without branches kept 2.517 of 2.523 tokens a step.
 BRANCH_CONFIDENCE = 0.9
 # The probability of a chain (the product of the head's top probabilities along it) below which a
-# request drafting its chain alone drafts no deeper, unless draft_stop_confidence says otherwise.
-# Measured with the shipped EAGLE-3 head on the chat benchmark (docs/performance.md, "Chains that
-# stop where the head is unsure"): five or six drafts cut at 0.3 beat three uncut by 4-5% on AMX
-# and by 10-17% where verified rows cost more (AVX2), where 0.4 measured alike or better.
+# request drafting its chain alone drafts no deeper, unless draft_stop_confidence says otherwise:
+# where a few more verified rows cost next to nothing (AMX tiles, accelerators), and where each
+# costs its multiply-adds. Measured with the shipped EAGLE-3 head on the chat benchmark
+# (docs/performance.md, "Chains that stop where the head is unsure"): on AMX, five or six drafts
+# cut at 0.3 ran 4-10% faster than three uncut (0.4 alike); on the AVX2 build, six cut at 0.5 ran
+# 1.33x plain against 1.26x at 0.3 and 1.12x for three uncut.
 CHAIN_STOP_CONFIDENCE = 0.3
-# The same for a request with draft branches, where none of its chains holds this much. On the 600
-# steps above a cut at 0.1 kept 2.505 of 2.517 tokens a step and saved 0.5 ms of an 18.6 ms step;
-# 0.3 measured as fast but accepts less (2.47 against 2.62 tokens a step at five drafts).
+CHAIN_STOP_CONFIDENCE_DEAR_ROWS = 0.5
+# The same for a request with draft branches (which pay only where rows cost little), where none
+# of its chains holds this much. On the 600 steps above a cut at 0.1 kept 2.505 of 2.517 tokens a
+# step and saved 0.5 ms of an 18.6 ms step; 0.3 measured as fast but accepted less (2.47 against
+# 2.62 tokens a step at five drafts).
 BRANCHES_STOP_CONFIDENCE = 0.1
 
 
-def resolved_stop_confidence(setting: float | None, branching: bool) -> float:
-    """The chain probability below which a request drafts no deeper: ``draft_stop_confidence``
-    where set, else the default for a request with draft branches or without."""
-    if setting is not None:
-        return setting
-    return BRANCHES_STOP_CONFIDENCE if branching else CHAIN_STOP_CONFIDENCE
+@dataclass(frozen=True)
+class ChainStops:
+    """The chain probabilities below which a request drafts no deeper: drafting its chain alone,
+    and with draft branches."""
+
+    alone: float
+    with_branches: float
+
+    @classmethod
+    def for_context(cls, context: ProposerContext) -> ChainStops:
+        """``draft_stop_confidence`` where set, else the defaults for the device and dtype."""
+        setting = context.speculative_config.draft_stop_confidence
+        if setting is not None:
+            return cls(setting, setting)
+        cheap = extra_rows_cost_little(context.device, context.dtype)
+        return cls(CHAIN_STOP_CONFIDENCE if cheap else CHAIN_STOP_CONFIDENCE_DEAR_ROWS, BRANCHES_STOP_CONFIDENCE)
+
+    def of(self, branching: bool) -> float:
+        return self.with_branches if branching else self.alone
+
+    @property
+    def any(self) -> bool:
+        """Whether a chain may be cut at all (0: every chain at full depth)."""
+        return self.alone > 0 or self.with_branches > 0
 
 
 class ChainDraftHead(nn.Module, ABC):
@@ -136,11 +161,11 @@ class ChainProposer(Proposer):
     """Drives a :class:`ChainDraftHead` over the engine's steps (see the module docstring)."""
 
     def __init__(
-        self, head: ChainDraftHead, sampler: DraftSampler, stop_confidence: float | None, max_depth: int | None = None
+        self, head: ChainDraftHead, sampler: DraftSampler, stops: ChainStops, max_depth: int | None = None
     ) -> None:
         self.head = head
         self.sampler = sampler
-        self.stop_confidence = stop_confidence
+        self.stops = stops
         self.capabilities = ProposerCapabilities(
             target_hidden_layers=head.target_hidden_layers,
             target_final_hidden=head.target_final_hidden,
@@ -166,7 +191,7 @@ class ChainProposer(Proposer):
         logits = self.head.compute_logits(out.index_select(0, last))
         # The head's confidence is read (a device sync) only where a request may branch or stop.
         may_branch = batch.fork is not None and any(r.max_draft_branches > 1 for r in drafting)
-        may_stop = self.stop_confidence != 0 and any(r.max_draft_tokens > 1 for r in drafting)
+        may_stop = self.stops.any and any(r.max_draft_tokens > 1 for r in drafting)
         first = self.sampler.sample(logits, self.sampler.batch_for(drafting), confidence=may_branch or may_stop)
         top = first.top_probabilities or [1.0] * len(drafting)
         # Forked only now: the first pass wrote the draft KV that the forks copy.
@@ -220,7 +245,7 @@ class ChainProposer(Proposer):
             carry = torch.cat([carry, carry.index_select(0, owner_index)])
             if first_probs is not None:
                 first_probs = torch.cat([first_probs, first_probs.index_select(0, owner_index.to(first_probs.device))])
-        stops = [resolved_stop_confidence(self.stop_confidence, bool(request_forks)) for request_forks in forks]
+        stops = [self.stops.of(bool(request_forks)) for request_forks in forks]
         depths = ChainDepths(requests, list(range(len(requests))) + owners, row_drafts, confidences, stops)
         sampling = self.sampler.batch_for(rows)
         steps_ids, steps_probs = [first_ids], [first_probs]
@@ -278,12 +303,12 @@ class ChainDepths:
         self._cut(1)
 
     @classmethod
-    def of_chains(cls, requests: list[ProposalRequest], setting: float | None) -> ChainDepths:
-        """One chain per request (no branches; ``setting``: ``draft_stop_confidence``), before its
-        first draft: :meth:`observe` that with ``drafted=1``."""
+    def of_chains(cls, requests: list[ProposalRequest], stop: float) -> ChainDepths:
+        """One chain per request (no branches), cut at ``stop``, before its first draft:
+        :meth:`observe` that with ``drafted=1``."""
         return cls(
             requests, list(range(len(requests))), [r.max_draft_tokens for r in requests], [1.0] * len(requests),
-            [resolved_stop_confidence(setting, branching=False)] * len(requests),
+            [stop] * len(requests),
         )
 
     def wanted(self, drafted: int) -> bool:

@@ -17,8 +17,9 @@ from sonar_core.spec_decode import layer_ids
 from sonar_core.spec_decode.chain_proposer import (
     BRANCHES_STOP_CONFIDENCE,
     CHAIN_STOP_CONFIDENCE,
+    CHAIN_STOP_CONFIDENCE_DEAR_ROWS,
     ChainDepths,
-    resolved_stop_confidence,
+    ChainStops,
 )
 from sonar_core.spec_decode.draft_attention import DraftChain, block_metadata
 from sonar_core.spec_decode.draft_sampling import DraftSampler
@@ -154,15 +155,23 @@ def test_a_stop_of_zero_drafts_every_chain_to_its_depth():
     assert [depths.of_row(row) for row in range(2)] == [3, 2]
 
 
-def test_unset_stops_are_the_defaults_for_chains_alone_and_with_branches():
-    assert resolved_stop_confidence(None, branching=False) == CHAIN_STOP_CONFIDENCE
-    assert resolved_stop_confidence(None, branching=True) == BRANCHES_STOP_CONFIDENCE
-    assert resolved_stop_confidence(0.0, branching=True) == resolved_stop_confidence(0.0, branching=False) == 0.0
+def _stops(setting: float | None, device: str, dtype: torch.dtype) -> ChainStops:
+    context = SimpleNamespace(speculative_config=SimpleNamespace(draft_stop_confidence=setting),
+                              device=torch.device(device), dtype=dtype)
+    return ChainStops.for_context(context)
+
+
+def test_unset_stops_follow_what_a_verified_row_costs():
+    # Float32 on the CPU multiplies every row (no AMX tiles); an accelerator's rows cost little.
+    assert _stops(None, "cpu", torch.float32) == ChainStops(CHAIN_STOP_CONFIDENCE_DEAR_ROWS, BRANCHES_STOP_CONFIDENCE)
+    assert _stops(None, "cuda", torch.bfloat16) == ChainStops(CHAIN_STOP_CONFIDENCE, BRANCHES_STOP_CONFIDENCE)
+    assert _stops(0.0, "cpu", torch.float32) == ChainStops(0.0, 0.0) and not ChainStops(0.0, 0.0).any
+    stops = _stops(None, "cuda", torch.bfloat16)
     requests = [SimpleNamespace(max_draft_tokens=3)]
     # A chain between the two defaults: kept by a request with branches, cut by one alone.
-    between = (CHAIN_STOP_CONFIDENCE + BRANCHES_STOP_CONFIDENCE) / 2
-    assert ChainDepths(requests, [0], [3], [between], [resolved_stop_confidence(None, True)]).depths == [3]
-    assert ChainDepths(requests, [0], [3], [between], [resolved_stop_confidence(None, False)]).depths == [1]
+    between = (stops.alone + stops.with_branches) / 2
+    assert ChainDepths(requests, [0], [3], [between], [stops.of(branching=True)]).depths == [3]
+    assert ChainDepths(requests, [0], [3], [between], [stops.of(branching=False)]).depths == [1]
 
 
 def test_chains_observed_from_their_first_draft_stop_like_chains_given_it():

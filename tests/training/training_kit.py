@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from sonar_core.kv import allocate_kv_cache
-from sonar_core.spec_decode.chain_proposer import ChainProposer
+from sonar_core.spec_decode.chain_proposer import ChainProposer, ChainStops
 from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
 from sonar_core.spec_decode.draft_sampling import DraftSampler
 from sonar_core.spec_decode.proposer import ProposalRequest, ProposeBatch, TargetHiddenStates
@@ -105,6 +105,6 @@ def draft_eagle3_chain(out_dir: Path, training_target: TrainingTarget, dataset: 
     recorded = recording_logits(head)
     record = dataset.load([0], trainer.layers, final=True)[0]
     m = min(record.num_rows, 20)
-    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu"), stop_confidence=0.0), record.token_ids[: m + 1].tolist(),
+    drafts = propose_once(ChainProposer(head, DraftSampler(vocab_map, False, "cpu"), ChainStops(0.0, 0.0)), record.token_ids[: m + 1].tolist(),
                           m, record.aux, trainer.layers, training_target.hidden_size)
     return DraftedChain(trainer, head, vocab_map, recorded, record, m, drafts)

@@ -51,7 +51,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
     """Load the head (sharing the target's embedding and LM head where it has none) and drive it
     with core's chain proposer; with ``prompt_lookup_min``/``max`` set, prompt lookup drafts first
     and the head (up to the depth it was trained for) where the context has no match."""
-    from sonar_core.spec_decode.chain_proposer import ChainProposer
+    from sonar_core.spec_decode.chain_proposer import ChainProposer, ChainStops
     from sonar_core.spec_decode.draft_checkpoint import DraftCheckpoint
     from sonar_core.spec_decode.draft_sampling import DraftSampler
     from sonar_eagle.loading import load_head
@@ -65,7 +65,7 @@ def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) ->
         model = str(unpacked_head(bundle, context.target_model_dir))
     checkpoint = DraftCheckpoint.open(model)
     head, vocab_map = load_head(checkpoint, config.method, context.target_modules, context.dtype, context.device)
-    proposer = ChainProposer(head, DraftSampler.for_context(vocab_map, context), config.draft_stop_confidence)
+    proposer = ChainProposer(head, DraftSampler.for_context(vocab_map, context), ChainStops.for_context(context))
     if not _looks_up(config):
         return proposer
     from sonar_core.spec_decode.lookup_first import LookupFirstProposer

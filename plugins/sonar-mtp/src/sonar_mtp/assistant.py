@@ -128,7 +128,7 @@ class Gemma4AssistantHead(nn.Module):
 class Gemma4AssistantProposer(Proposer):
     """Drives :class:`Gemma4AssistantHead` (see the module docstring)."""
 
-    def __init__(self, head: Gemma4AssistantHead, sampler: DraftSampler, stop_confidence: float | None) -> None:
+    def __init__(self, head: Gemma4AssistantHead, sampler: DraftSampler, stop_confidence: float) -> None:
         self.head = head
         self.sampler = sampler
         self.stop_confidence = stop_confidence

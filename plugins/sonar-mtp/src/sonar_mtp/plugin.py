@@ -167,21 +167,21 @@ def _checked(target: TargetInfo) -> tuple[MtpFamily, DraftCheckpoint, HeadSpec, 
 
 def create_proposer(context: ProposerContext, weights: dict[str, Any] | None) -> Proposer:
     from sonar_core.config import TargetInfo
-    from sonar_core.spec_decode.chain_proposer import ChainProposer
+    from sonar_core.spec_decode.chain_proposer import ChainProposer, ChainStops
     from sonar_core.spec_decode.draft_sampling import DraftSampler
     from sonar_core.spec_decode.head_loading import load_head_checkpoint
 
     target = TargetInfo.from_model_dir(context.target_model_dir)
-    stop_confidence = context.speculative_config.draft_stop_confidence
+    stops = ChainStops.for_context(context)
     if _architecture(target) in ASSISTANT_TARGETS:
         from sonar_mtp.assistant import Gemma4AssistantProposer
 
         checkpoint, spec = _checked_assistant(context.speculative_config, target)
         head, vocab_map = load_head_checkpoint(checkpoint, spec, context.target_modules, context.dtype, context.device)
-        return Gemma4AssistantProposer(head, DraftSampler.for_context(vocab_map, context), stop_confidence)
+        return Gemma4AssistantProposer(head, DraftSampler.for_context(vocab_map, context), stops.alone)
     _, checkpoint, spec, _ = _checked(target)
     head, vocab_map = load_head_checkpoint(checkpoint, spec, context.target_modules, context.dtype, context.device)
-    return ChainProposer(head, DraftSampler.for_context(vocab_map, context), stop_confidence)
+    return ChainProposer(head, DraftSampler.for_context(vocab_map, context), stops)
 
 
 @hookimpl
