@@ -60,6 +60,9 @@ class RowSpec:
         policy = self.options.get("depth_policy")
         if policy not in (None, "fixed"):  # rows that differ only in it must not share a label
             parts.append(f"depth={policy}")
+        stop = self.options.get("draft_stop_confidence")
+        if stop is not None:
+            parts.append(f"stop={stop:g}")
         model = self.options.get("model")
         if model and self.method in DRAFT_CHECKPOINT_METHODS | HEAD_METHODS:
             parts.append(f"({Path(str(model)).name})")

@@ -116,6 +116,17 @@ def test_rows_that_differ_in_depth_policy_have_distinct_labels():
     assert (fixed.label, auto.label) == ("sonar ngram k=5", "sonar ngram k=5 depth=auto")
 
 
+def test_rows_that_set_a_draft_stop_say_it():
+    default, uncut = sonar_rows(
+        [
+            {"method": "eagle3", "num_speculative_tokens": 3},
+            {"method": "eagle3", "num_speculative_tokens": 3, "draft_stop_confidence": 0},
+        ],
+        include_plain=False,
+    )
+    assert (default.label, uncut.label) == ("sonar eagle3 k=3", "sonar eagle3 k=3 stop=0")
+
+
 def test_rows_with_draft_branches_say_how_many_chains():
     chain, branches = sonar_rows(
         [
