@@ -36,7 +36,8 @@ PROMPTS = (
     + [[11, 12, 13, 14, 15] * 4]
 )
 ENGINE = {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": BATCH_TOKENS, "max_tokens": 16}
-MTP = {"method": "mtp", "num_speculative_tokens": 3}
+# Every chain at full depth, so that verification rolls the states back to every position.
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "draft_stop_confidence": 0}
 # Four ranks need four KV heads and four linear-attention key heads (each serving two value heads).
 WIDE = {"num_kv_heads": 4, "config_overrides": {"linear_num_key_heads": 4, "linear_num_value_heads": 8}}
 
