@@ -167,3 +167,12 @@ def test_check_config_shows_draft_branches(run_aphrodite):
     )
     assert result.returncode == 0, result.stderr
     assert "eagle3" in result.stdout and "num_speculative_tokens: 4, num_draft_branches: 3" in result.stdout
+
+
+def test_check_config_shows_a_set_draft_stop(run_aphrodite):
+    result = run_aphrodite(
+        "serve", "--check-config", "--speculative-config",
+        '{"method": "eagle3", "num_speculative_tokens": 6, "draft_stop_confidence": 0.4}', env={"SONAR_PLUGINS": None},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "num_speculative_tokens: 6, draft_stop_confidence: 0.4" in result.stdout

@@ -74,10 +74,12 @@ def describe(validated: ValidatedConfig) -> str:
     else:
         provider = f"{speculative.spec.distribution} {speculative.spec.version}".strip() or "unknown distribution"
         branches = speculative.config.num_draft_branches
+        stop = speculative.config.draft_stop_confidence
         lines.append(
             f"  speculative decoding: {speculative.method} ({provider}), "
             f"num_speculative_tokens: {speculative.num_speculative_tokens}"
             + (f", num_draft_branches: {branches}" if branches > 1 else "")
+            + (f", draft_stop_confidence: {stop:g}" if stop is not None else "")
         )
     if validated.warnings:
         lines.append(f"  warnings: {len(validated.warnings)} (logged above)")
