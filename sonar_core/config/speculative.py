@@ -99,8 +99,8 @@ class SpeculativeConfig(BaseModel):
     chains) less than this probability, the product of the head's top probabilities along it. Each
     draft costs a draft pass and a verified row; one the head gives little chance is seldom
     accepted. 0 drafts num_speculative_tokens every step. Unset: for a request drafting its chain
-    alone 0.3 where a few more verified rows cost little (AMX tiles, accelerators) and 0.5 where
-    each costs its multiply-adds (other CPUs), 0.1 for one with draft branches
+    alone on the CPU, 0.3 where a few more verified rows cost little (bfloat16 on AMX tiles) and
+    0.5 where each costs its multiply-adds, 0 on accelerators; 0.1 for one with draft branches
     (``sonar_core.spec_decode.chain_proposer.ChainStops``)."""
 
     @field_validator("method", "model")
@@ -145,7 +145,7 @@ class SpeculativeConfig(BaseModel):
                 f"{FIELD}.draft_stop_confidence",
                 f"must be a probability between 0 and 1, got {value}",
                 "set draft_stop_confidence to 0 (always draft num_speculative_tokens) up to 1, or remove it "
-                "for the defaults (0.1 to 0.5, by the device and draft branches)",
+                "for the defaults (0 to 0.5, by the device and draft branches)",
             )
         return value
 

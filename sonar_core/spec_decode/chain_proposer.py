@@ -70,9 +70,11 @@ MAX_DRAFT_BRANCHES = 8
 # them) without branches kept 2.517 of 2.523 tokens a step.
 BRANCH_CONFIDENCE = 0.9
 # The probability of a chain (the product of the head's top probabilities along it) below which a
-# request drafting its chain alone drafts no deeper, unless draft_stop_confidence says otherwise:
-# where a few more verified rows cost next to nothing (AMX tiles, accelerators), and where each
-# costs its multiply-adds. Measured with the shipped EAGLE-3 head on the chat benchmark
+# request drafting its chain alone drafts no deeper on the CPU, unless draft_stop_confidence says
+# otherwise: where a few more verified rows cost next to nothing (AMX tiles), and where each costs
+# its multiply-adds. On accelerators chains alone are not cut by default: the cut reads the head's
+# probabilities back after every draft pass, a device sync in a chain that otherwise reads back
+# once, and it has not been measured there. Measured with the shipped EAGLE-3 head on the chat benchmark
 # (docs/performance.md, "Chains that stop where the head is unsure"): on AMX, five or six drafts
 # cut at 0.3 ran 4-10% faster than three uncut (0.4 alike); on the AVX2 build, six cut at 0.5 ran
 # 1.33x plain against 1.26x at 0.3 and 1.12x for three uncut; on the AVX-512 BF16 path without
@@ -100,8 +102,13 @@ class ChainStops:
         setting = context.speculative_config.draft_stop_confidence
         if setting is not None:
             return cls(setting, setting)
-        cheap = extra_rows_cost_little(context.device, context.dtype)
-        return cls(CHAIN_STOP_CONFIDENCE if cheap else CHAIN_STOP_CONFIDENCE_DEAR_ROWS, BRANCHES_STOP_CONFIDENCE)
+        if context.device.type != "cpu":
+            alone = 0.0
+        elif extra_rows_cost_little(context.device, context.dtype):
+            alone = CHAIN_STOP_CONFIDENCE
+        else:
+            alone = CHAIN_STOP_CONFIDENCE_DEAR_ROWS
+        return cls(alone, BRANCHES_STOP_CONFIDENCE)
 
     def of(self, branching: bool) -> float:
         return self.with_branches if branching else self.alone

@@ -12,6 +12,7 @@ import torch
 from sonar_core.config import TargetInfo
 from sonar_core.errors import ConfigError
 from sonar_core.layers.attention import AttentionMetadata
+from sonar_core.layers.linear import extra_rows_cost_little
 from sonar_core.sampling_params import SamplingParams
 from sonar_core.spec_decode import layer_ids
 from sonar_core.spec_decode.chain_proposer import (
@@ -162,11 +163,15 @@ def _stops(setting: float | None, device: str, dtype: torch.dtype) -> ChainStops
 
 
 def test_unset_stops_follow_what_a_verified_row_costs():
-    # Float32 on the CPU multiplies every row (no AMX tiles); an accelerator's rows cost little.
+    # Float32 on the CPU multiplies every row (no AMX tiles); bfloat16 on AMX tiles costs little.
     assert _stops(None, "cpu", torch.float32) == ChainStops(CHAIN_STOP_CONFIDENCE_DEAR_ROWS, BRANCHES_STOP_CONFIDENCE)
-    assert _stops(None, "cuda", torch.bfloat16) == ChainStops(CHAIN_STOP_CONFIDENCE, BRANCHES_STOP_CONFIDENCE)
+    cheap = CHAIN_STOP_CONFIDENCE if extra_rows_cost_little(torch.device("cpu"), torch.bfloat16) else (
+        CHAIN_STOP_CONFIDENCE_DEAR_ROWS)
+    assert _stops(None, "cpu", torch.bfloat16) == ChainStops(cheap, BRANCHES_STOP_CONFIDENCE)
+    # Accelerators: chains alone uncut (a cut reads back after every pass), branches as on the CPU.
+    assert _stops(None, "cuda", torch.bfloat16) == ChainStops(0.0, BRANCHES_STOP_CONFIDENCE)
     assert _stops(0.0, "cpu", torch.float32) == ChainStops(0.0, 0.0) and not ChainStops(0.0, 0.0).any
-    stops = _stops(None, "cuda", torch.bfloat16)
+    stops = ChainStops(CHAIN_STOP_CONFIDENCE, BRANCHES_STOP_CONFIDENCE)
     requests = [SimpleNamespace(max_draft_tokens=3)]
     # A chain between the two defaults: kept by a request with branches, cut by one alone.
     between = (stops.alone + stops.with_branches) / 2
