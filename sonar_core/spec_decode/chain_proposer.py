@@ -113,11 +113,6 @@ class ChainStops:
     def of(self, branching: bool) -> float:
         return self.with_branches if branching else self.alone
 
-    @property
-    def any(self) -> bool:
-        """Whether a chain may be cut at all (0: every chain at full depth)."""
-        return self.alone > 0 or self.with_branches > 0
-
 
 class ChainDraftHead(nn.Module, ABC):
     """A draft head that predicts the next token from a token and a hidden state.
@@ -197,9 +192,10 @@ class ChainProposer(Proposer):
             return DraftProposal([[] for _ in batch.requests])
         last = drafting_last_rows([r.num_hidden_rows for r in requests], requests, batch.device)
         logits = self.head.compute_logits(out.index_select(0, last))
-        # The head's confidence is read (a device sync) only where a request may branch or stop.
+        # The head's confidence is read (a device sync) only where a request may branch, or where a
+        # chain alone may stop (a request with branches stops by its branches' confidence too).
         may_branch = batch.fork is not None and any(r.max_draft_branches > 1 for r in drafting)
-        may_stop = self.stops.any and any(r.max_draft_tokens > 1 for r in drafting)
+        may_stop = self.stops.alone > 0 and any(r.max_draft_tokens > 1 for r in drafting)
         first = self.sampler.sample(logits, self.sampler.batch_for(drafting), confidence=may_branch or may_stop)
         top = first.top_probabilities or [1.0] * len(drafting)
         # Forked only now: the first pass wrote the draft KV that the forks copy.

@@ -170,7 +170,8 @@ def test_unset_stops_follow_what_a_verified_row_costs():
     assert _stops(None, "cpu", torch.bfloat16) == ChainStops(cheap, BRANCHES_STOP_CONFIDENCE)
     # Accelerators: chains alone uncut (a cut reads back after every pass), branches as on the CPU.
     assert _stops(None, "cuda", torch.bfloat16) == ChainStops(0.0, BRANCHES_STOP_CONFIDENCE)
-    assert _stops(0.0, "cpu", torch.float32) == ChainStops(0.0, 0.0) and not ChainStops(0.0, 0.0).any
+    assert _stops(0.0, "cpu", torch.float32) == ChainStops(0.0, 0.0)
+    assert not ChainDepths.of_chains([SimpleNamespace(max_draft_tokens=3)], _stops(0.0, "cpu", torch.float32).alone).tracking
     stops = ChainStops(CHAIN_STOP_CONFIDENCE, BRANCHES_STOP_CONFIDENCE)
     requests = [SimpleNamespace(max_draft_tokens=3)]
     # A chain between the two defaults: kept by a request with branches, cut by one alone.
