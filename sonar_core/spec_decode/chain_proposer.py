@@ -275,9 +275,8 @@ class ChainProposer(Proposer):
                 steps_probs.append(sample.probs)
                 chain.advance()
                 step += 1
-                if sample.top_probabilities is not None:
-                    depths.observe(sample.top_probabilities, step)
-        token_rows = [row[: depths.of_row(i)] for i, row in enumerate(torch.stack(steps_ids, dim=1).tolist())]
+                depths.observe(sample.top_probabilities, step)
+        token_rows = depths.cut(torch.stack(steps_ids, dim=1).tolist())
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
         return token_rows, probs
 
@@ -324,8 +323,15 @@ class ChainDepths:
         carries fewer, :attr:`ProposalRequest.max_branch_draft_tokens`)."""
         return min(self.depths[self._row_requests[row]], self._row_drafts[row])
 
-    def observe(self, top: list[float], drafted: int) -> None:
-        """The head's top probability on every row at the step that made draft ``drafted``."""
+    def cut(self, token_rows: list[list[int]]) -> list[list[int]]:
+        """Each chain row's drafts cut to :meth:`of_row`."""
+        return [row[: self.of_row(i)] for i, row in enumerate(token_rows)]
+
+    def observe(self, top: list[float] | None, drafted: int) -> None:
+        """The head's top probability on every row at the step that made draft ``drafted`` (None
+        where the step did not read it: nothing is cut, as nothing is :attr:`tracking`)."""
+        if top is None:
+            return
         self._paths = [path * p for path, p in zip(self._paths, top, strict=True)]
         self._cut(drafted)
 

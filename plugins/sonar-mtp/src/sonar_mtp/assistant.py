@@ -158,9 +158,8 @@ class Gemma4AssistantProposer(Proposer):
             tokens = sample.token_ids
             steps_ids.append(tokens)
             steps_probs.append(sample.probs)
-            if sample.top_probabilities is not None:
-                depths.observe(sample.top_probabilities, len(steps_ids))
-        token_rows = [row[: depths.of_row(i)] for i, row in enumerate(torch.stack(steps_ids, dim=1).tolist())]
+            depths.observe(sample.top_probabilities, len(steps_ids))
+        token_rows = depths.cut(torch.stack(steps_ids, dim=1).tolist())
         probs = torch.stack(steps_probs, dim=1) if steps_probs[0] is not None else None
         return DraftProposal.from_rows(batch.requests, drafting, token_rows, probs)
 
