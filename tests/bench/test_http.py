@@ -90,7 +90,7 @@ def test_bench_serve_starts_a_server_per_configuration(tiny_model: Path, tmp_pat
     assert code == 0
     (table,) = json.loads(out.read_text())["tables"]
     assert [(row["label"], row["concurrency"]) for row in table["rows"]] == [
-        ("sonar", 1), ("sonar", 2), ("sonar ngram k=3", 1), ("sonar ngram k=3", 2),
+        ("sonar", 1), ("sonar", 2), ("sonar ngram k=3 n=1..3", 1), ("sonar ngram k=3 n=1..3", 2),
     ]
     for row in table["rows"]:
         assert row["figures"]["num_requests"] == 3
