@@ -86,12 +86,14 @@ class SpeculativeConfig(BaseModel):
     depth (at most num_speculative_tokens) from its measured acceptance and the measured step cost,
     and stops drafting when drafting would cost throughput (large batches)."""
 
-    num_draft_branches: int = 1
+    num_draft_branches: int | None = None
     """Chains a request drafts per step, for methods whose proposer drafts branches (those that list
     this field; others warn that it has no effect). Above 1, the head's next best first tokens each
     start a chain of their own, verified beside the request's chain in the same target pass; the
-    chain whose first token the target emits is kept. Each branch costs num_speculative_tokens + 1
-    more target rows."""
+    chain whose first token the target emits is kept. Each branch costs num_speculative_tokens
+    more target rows. Unset: 3 for a request that drafts alone in its step where a few more
+    verified rows cost little on the CPU (bfloat16 on AMX tiles), 1 otherwise
+    (``sonar_core.engine.speculator.DraftBranching``)."""
 
     draft_stop_confidence: float | None = None
     """For methods that draft token by token from a head (those that list this field): a request
@@ -128,8 +130,8 @@ class SpeculativeConfig(BaseModel):
 
     @field_validator("num_draft_branches")
     @classmethod
-    def _positive_branches(cls, value: int) -> int:
-        if value < 1:
+    def _positive_branches(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
             raise ConfigError(
                 f"{FIELD}.num_draft_branches",
                 f"the number of draft chains per request must be positive, got {value}",

@@ -301,7 +301,7 @@ def _apply_core_rules(
             f"draft_tensor_parallel_size={draft_tp} is neither 1 nor the target's tensor_parallel_size ({target_tp})",
             f"set draft_tensor_parallel_size to 1 or {target_tp}, or remove it (1 is the default)",
         )
-    if config.num_draft_branches > 1 and target_tp > 1:
+    if (config.num_draft_branches or 1) > 1 and target_tp > 1:
         raise ConfigError(
             f"{FIELD}.num_draft_branches",
             f"draft branches fork each request's KV on one rank, and the target is split over {target_tp}",

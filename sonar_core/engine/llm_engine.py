@@ -12,7 +12,7 @@ import torch
 
 from sonar_core import cpu_kernels
 from sonar_core.attention_backends import AttentionBackend, get_backend
-from sonar_core.config import EngineConfig, SpeculativeConfig, validate_config
+from sonar_core.config import EngineConfig, ResolvedSpeculativeConfig, SpeculativeConfig, validate_config
 from sonar_core.engine.block_manager import BlockManager, resolve_prefix_caching
 from sonar_core.engine.cpu_threads import ThreadGovernor
 from sonar_core.engine.detokenizer import IncrementalDetokenizer
@@ -22,7 +22,7 @@ from sonar_core.engine.request_checks import check_request
 from sonar_core.engine.request_errors import RequestError
 from sonar_core.engine.scheduler import Scheduler, SchedulerOutput
 from sonar_core.engine.sequence import Sequence
-from sonar_core.engine.speculator import ProposeItem, Speculator
+from sonar_core.engine.speculator import DraftBranching, ProposeItem, Speculator
 from sonar_core.engine.speculator_factory import build_speculator
 from sonar_core.engine.stop_checker import apply_stop_conditions
 from sonar_core.engine.tensor_parallel import (
@@ -118,8 +118,9 @@ class LLMEngine:
         target_specs = self.model.kv_cache_specs()
         proposer_specs = list(plan.capabilities.kv_layers) if plan else []
         state_specs = self.model.state_specs()
-        if plan is not None and speculative.config.num_draft_branches > 1:
-            self._check_branching(bool(state_specs))
+        branching = DraftBranching()
+        if plan is not None:
+            branching = self._draft_branching(speculative, plan.capabilities, bool(state_specs))
         # Before any KV is allocated: an explicit true that would not be lossless is a ConfigError.
         self.prefix_caching = resolve_prefix_caching(
             config.enable_prefix_caching, plan.capabilities if plan else None, bool(state_specs)
@@ -172,7 +173,7 @@ class LLMEngine:
                 adaptive_depth=plan.adaptive_depth,
                 attention_backend=self._attention_backend(speculative.config.attention_backend),
                 target_kv_caches=caches[: len(target_specs)],
-                num_draft_branches=speculative.config.num_draft_branches,
+                branching=branching,
             )
         self.verifier = Verifier(self.device)
         # Split over ranks, every rank keeps its fixed share of the cores (start_tensor_parallel).
@@ -200,20 +201,38 @@ class LLMEngine:
             return MirroredStateCache(self.workers, TARGET, specs, num_slots, positions, self.dtype, self.device)
         return RecurrentStateCache(specs, num_slots, positions, self.dtype, self.device)
 
-    @staticmethod
-    def _check_branching(has_recurrent_state: bool) -> None:
-        """Draft branches need a KV fork per chain; a recurrent state is one per request."""
-        if has_recurrent_state:
+    def _draft_branching(
+        self, speculative: ResolvedSpeculativeConfig, capabilities: ProposerCapabilities, has_recurrent_state: bool
+    ) -> DraftBranching:
+        """The draft branches asked for, or where unset those that pay here (DraftBranching.of).
+        Branches need a KV fork per chain: a recurrent state is one per request."""
+        configured = speculative.config.num_draft_branches
+        if configured is not None and configured > 1 and has_recurrent_state:
             raise ConfigError(
                 "speculative_config.num_draft_branches",
                 "draft branches are not supported when the target keeps recurrent states (linear attention)",
                 "remove num_draft_branches (one chain per request)",
             )
+        branching = DraftBranching.of(
+            configured,
+            "num_draft_branches" in speculative.spec.core_fields and capabilities.max_draft_branches > 1,
+            self.device,
+            self.dtype,
+            forkable=not has_recurrent_state and self.workers is None,
+        )
+        if configured is None and branching.count > 1:
+            logger.info(
+                "draft branches: a request drafting alone in its step also drafts chains from the head's "
+                "next %d best first tokens (%s on AMX tiles; speculative_config.num_draft_branches: 1 for "
+                "one chain)", branching.count - 1, str(self.dtype).removeprefix("torch."),
+            )
+        return branching
 
     def _say_when_branches_cost(self, speculative: SpeculativeConfig) -> None:
         """Draft branches pay where extra verified rows cost next to nothing: on the CPU, in
         bfloat16 on AMX tiles. Elsewhere they measured slower than a chain (docs/performance.md)."""
-        if speculative.num_draft_branches == 1 or extra_rows_cost_little(self.device, self.dtype):
+        branches = speculative.num_draft_branches
+        if branches is None or branches == 1 or extra_rows_cost_little(self.device, self.dtype):
             return
         path = skinny_linear_path(self.dtype) or "PyTorch's"
         logger.warning(

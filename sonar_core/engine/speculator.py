@@ -12,6 +12,7 @@ from sonar_core.engine.block_manager import BlockManager
 from sonar_core.engine.kv_forks import KVForker
 from sonar_core.engine.scheduler import ScheduledSequence
 from sonar_core.engine.sequence import Sequence
+from sonar_core.layers.linear import extra_rows_cost_little
 from sonar_core.spec_decode.depth import AdaptiveDepth
 from sonar_core.spec_decode.proposer import (
     DraftBranch,
@@ -53,6 +54,42 @@ class _WholeDraft:
 # Most target rows a step verifies with draft branches in it (the rows one pass of the CPU's
 # matrix tiles takes at no extra cost on AMX: one request's three chains of four).
 BRANCH_ROW_LIMIT = 16
+
+# Chains per request where speculative_config.num_draft_branches is unset and branches pay.
+AUTO_DRAFT_BRANCHES = 3
+
+
+@dataclass(frozen=True)
+class DraftBranching:
+    """How many chains a drafting request gets per step (speculative_config.num_draft_branches),
+    and whether only while it is the step's one drafting request.
+
+    Unset, a request drafting alone gets AUTO_DRAFT_BRANCHES chains where extra verified rows cost
+    little on the CPU (bfloat16 on AMX tiles): on the chat benchmark with the shipped EAGLE-3 head,
+    one request at a time, three drafts went from 1.49-1.55x to 1.55-1.67x plain decoding, while at
+    two concurrent requests branches measured no gain (docs/performance.md). Elsewhere one chain:
+    on other CPUs every row costs its multiply-adds, and on accelerators branches are unmeasured."""
+
+    count: int = 1
+    only_alone: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        configured: int | None,
+        proposer_branches: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        forkable: bool,
+    ) -> DraftBranching:
+        """``configured`` as given, or the unset default for a proposer that drafts branches
+        (``proposer_branches``) over a target whose requests can fork their KV (``forkable``: one
+        rank, no recurrent states) on ``device`` in ``dtype``."""
+        if configured is not None:
+            return cls(configured)
+        if proposer_branches and forkable and device.type == "cpu" and extra_rows_cost_little(device, dtype):
+            return cls(AUTO_DRAFT_BRANCHES, only_alone=True)
+        return cls()
 
 
 def _checked_branches(branches: list[DraftBranch], drafts: list[int], request: ProposalRequest) -> list[DraftBranch]:
@@ -97,7 +134,7 @@ class Speculator:
         adaptive_depth: bool = False,
         attention_backend: AttentionBackend | None = None,
         target_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        num_draft_branches: int = 1,
+        branching: DraftBranching = DraftBranching(),
     ) -> None:
         self.proposer = proposer
         self.attention_backend = attention_backend or get_backend(None)
@@ -115,7 +152,8 @@ class Speculator:
         self.depth = AdaptiveDepth(self.num_speculative_tokens) if adaptive_depth else None
         self._known: set[str] = set()
         self._free_drafts: dict[str, _WholeDraft] = {}
-        self.num_draft_branches = min(num_draft_branches, self.capabilities.max_draft_branches)
+        self.num_draft_branches = min(branching.count, self.capabilities.max_draft_branches)
+        self.branches_only_alone = branching.only_alone
         # Forks the proposer made this step, per request, until its branches take them.
         self._forks: dict[str, list[KVFork]] = {}
         self.forker: KVForker | None = None
@@ -225,10 +263,13 @@ class Speculator:
         """Give draft branches to drafting requests, in order, while the next step's verified rows
         (every drafting request's newest token and drafts, and the branches given) stay within
         BRANCH_ROW_LIMIT: a branch pays while its rows cost little more than the step already does,
-        not once the step is large (several concurrent requests)."""
+        not once the step is large (several concurrent requests). With ``branches_only_alone``, only
+        a request that drafts alone in its step gets them."""
         if self.num_draft_branches == 1:
             return
         drafting = [r for r in requests if r.max_draft_tokens > 0]
+        if self.branches_only_alone and len(drafting) > 1:
+            return
         rows = sum(1 + r.max_draft_tokens for r in drafting)
         for request in drafting:
             branch_rows = 1 + request.max_branch_draft_tokens

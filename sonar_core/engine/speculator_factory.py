@@ -44,6 +44,8 @@ def _check_branches(resolved: ResolvedSpeculativeConfig, capabilities: ProposerC
     """num_draft_branches for a method that reads it needs a proposer that drafts that many chains
     (a method that does not read it was warned about by the configuration rules, and drafts chains)."""
     wanted = resolved.config.num_draft_branches
+    if wanted is None:  # unset: the engine gives branches only where the proposer drafts them
+        return
     if "num_draft_branches" in resolved.spec.core_fields and wanted > capabilities.max_draft_branches:
         raise ConfigError(
             f"{FIELD}.num_draft_branches",

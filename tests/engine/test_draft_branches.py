@@ -17,6 +17,7 @@ from aphrodite import LLM, SamplingParams
 from sonar_core.engine import speculator as speculator_module
 from sonar_core.engine import verifier as verifier_module
 from sonar_core.engine.kv_budget import bytes_per_block
+from sonar_core.engine.speculator import DraftBranching
 from sonar_core.errors import ConfigError
 from sonar_core.kv import KVLayerSpec
 from sonar_core.testing.branches import branch_on_every_step
@@ -176,3 +177,58 @@ def test_branches_without_amx_tiles_say_what_they_cost(target, plain, caplog):
     with caplog.at_level("WARNING", logger="sonar.engine"):
         LLM(model=str(target), dtype="float32", device="cpu", speculative_config=_config(plain, 3, 2))
     assert "num_draft_branches=3" in caplog.text and "not AMX" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("configured", "proposer_branches", "device", "dtype", "forkable", "cheap_rows", "expected"),
+    [
+        (None, True, "cpu", torch.bfloat16, True, True, DraftBranching(3, only_alone=True)),
+        (None, True, "cpu", torch.bfloat16, True, False, DraftBranching()),  # rows cost their multiply-adds
+        (None, True, "cuda", torch.bfloat16, True, True, DraftBranching()),  # not measured on accelerators
+        (None, False, "cpu", torch.bfloat16, True, True, DraftBranching()),  # a proposer that drafts chains
+        (None, True, "cpu", torch.bfloat16, False, True, DraftBranching()),  # recurrent states or ranks
+        (2, True, "cpu", torch.float32, True, False, DraftBranching(2)),  # as asked, in every step
+        (1, True, "cpu", torch.bfloat16, True, True, DraftBranching()),
+    ],
+)
+def test_unset_branches_follow_what_a_verified_row_costs(
+    monkeypatch, configured, proposer_branches, device, dtype, forkable, cheap_rows, expected
+):
+    monkeypatch.setattr(speculator_module, "extra_rows_cost_little", lambda *_: cheap_rows)
+    branching = speculator_module.DraftBranching.of(configured, proposer_branches, torch.device(device), dtype, forkable)
+    assert branching == expected
+
+
+def test_unset_branches_go_to_a_request_drafting_alone(target, plain, monkeypatch):
+    """Where verified rows cost little, a request drafting alone in its step gets the unset
+    default's branches and one drafting beside another drafts its chain alone."""
+    monkeypatch.setattr(speculator_module, "extra_rows_cost_little", lambda *_: True)
+    steps: list[tuple[int, int]] = []  # per step: (drafting requests, requests with branches)
+    call = verifier_module.Verifier.__call__
+
+    def recording(self, run, scheduled):
+        drafting = [item for item in scheduled if item.draft_token_ids]
+        steps.append((len(drafting), sum(bool(item.draft_branches) for item in drafting)))
+        return call(self, run, scheduled)
+
+    monkeypatch.setattr(verifier_module.Verifier, "__call__", recording)
+    config = {key: value for key, value in _config(plain, 3, 2).items() if key != "num_draft_branches"}
+    prompts = _prompts()[:2]
+    # The second request asks for fewer tokens, so the first drafts alone once it is done.
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS // 3, ignore_eos=True)]
+    llm = LLM(model=str(target), dtype="float32", device="cpu", block_size=4, max_num_seqs=2,
+              speculative_config=config)
+    assert llm.engine.speculator.num_draft_branches == speculator_module.AUTO_DRAFT_BRANCHES
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [plain[0], plain[1][: MAX_TOKENS // 3]]
+    assert (1, 1) in steps, "a request drafting alone got branches"
+    assert any(drafting == 2 for drafting, _ in steps)
+    assert all(with_branches == 0 for drafting, with_branches in steps if drafting > 1)
+
+
+def test_unset_branches_draft_one_chain_where_rows_cost(target, plain):
+    """Float32 never takes the AMX path: unset, every request drafts its chain alone, unwarned."""
+    config = {key: value for key, value in _config(plain, 3, 2).items() if key != "num_draft_branches"}
+    llm = LLM(model=str(target), dtype="float32", device="cpu", speculative_config=config)
+    assert llm.engine.speculator.num_draft_branches == 1
