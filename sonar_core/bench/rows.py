@@ -52,7 +52,7 @@ class RowSpec:
         if depth is not None:
             parts.append(f"k={depth}")
         branches = self.options.get("num_draft_branches")
-        if branches not in (None, 1):
+        if branches is not None:  # unset, the engine decides: a set 1 differs from it
             parts.append(f"x{branches}")
         lookup = _lookup_bounds(self.options)
         if lookup:

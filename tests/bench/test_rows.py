@@ -128,11 +128,15 @@ def test_rows_that_set_a_draft_stop_say_it():
 
 
 def test_rows_with_draft_branches_say_how_many_chains():
-    chain, branches = sonar_rows(
+    """A set count is labelled, 1 included: unset, the engine decides (DraftBranching)."""
+    default, chain, branches = sonar_rows(
         [
+            {"method": "eagle3", "num_speculative_tokens": 4},
             {"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 1},
             {"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 3},
         ],
         include_plain=False,
     )
-    assert (chain.label, branches.label) == ("sonar eagle3 k=4", "sonar eagle3 k=4 x3")
+    assert (default.label, chain.label, branches.label) == (
+        "sonar eagle3 k=4", "sonar eagle3 k=4 x1", "sonar eagle3 k=4 x3"
+    )
