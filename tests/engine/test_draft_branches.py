@@ -48,6 +48,13 @@ def _config(plain: list[list[int]], depth: int, branches: int) -> dict:
             "num_draft_branches": branches + 1, "options": {"continuations": continuations, "branches": branches}}
 
 
+def _unset_branches_config(plain: list[list[int]]) -> dict:
+    """The scripted proposer at depth 3 with two branches of its own, num_draft_branches unset."""
+    config = _config(plain, 3, 2)
+    del config["num_draft_branches"]
+    return config
+
+
 @pytest.fixture
 def any_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Branches for every drafting request however many rows the step verifies."""
@@ -212,7 +219,7 @@ def test_unset_branches_go_to_a_request_drafting_alone(target, plain, monkeypatc
         return call(self, run, scheduled)
 
     monkeypatch.setattr(verifier_module.Verifier, "__call__", recording)
-    config = {key: value for key, value in _config(plain, 3, 2).items() if key != "num_draft_branches"}
+    config = _unset_branches_config(plain)
     prompts = _prompts()[:2]
     # The second request asks for fewer tokens, so the first drafts alone once it is done.
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -229,6 +236,6 @@ def test_unset_branches_go_to_a_request_drafting_alone(target, plain, monkeypatc
 
 def test_unset_branches_draft_one_chain_where_rows_cost(target, plain):
     """Float32 never takes the AMX path: unset, every request drafts its chain alone, unwarned."""
-    config = {key: value for key, value in _config(plain, 3, 2).items() if key != "num_draft_branches"}
+    config = _unset_branches_config(plain)
     llm = LLM(model=str(target), dtype="float32", device="cpu", speculative_config=config)
     assert llm.engine.speculator.num_draft_branches == 1
