@@ -176,3 +176,13 @@ def test_check_config_shows_a_set_draft_stop(run_aphrodite):
     )
     assert result.returncode == 0, result.stderr
     assert "num_speculative_tokens: 6, draft_stop_confidence: 0.4" in result.stdout
+
+
+def test_check_config_shows_a_set_single_chain(run_aphrodite):
+    """A set 1 differs from unset (where the engine may branch), so it is shown too."""
+    result = run_aphrodite(
+        "serve", "--check-config", "--speculative-config",
+        '{"method": "eagle3", "num_speculative_tokens": 4, "num_draft_branches": 1}', env={"SONAR_PLUGINS": None},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "num_speculative_tokens: 4, num_draft_branches: 1" in result.stdout

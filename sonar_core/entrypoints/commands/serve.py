@@ -78,7 +78,7 @@ def describe(validated: ValidatedConfig) -> str:
         lines.append(
             f"  speculative decoding: {speculative.method} ({provider}), "
             f"num_speculative_tokens: {speculative.num_speculative_tokens}"
-            + (f", num_draft_branches: {branches}" if branches is not None and branches > 1 else "")
+            + (f", num_draft_branches: {branches}" if branches is not None else "")
             + (f", draft_stop_confidence: {stop:g}" if stop is not None else "")
         )
     if validated.warnings:
