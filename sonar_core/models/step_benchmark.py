@@ -4,8 +4,13 @@ Same checkpoint, same input, same thread count: ``C`` cached tokens, then a step
 tokens (1 = a decode step, more = verifying drafts), logits included. Sonar runs three ways: on its
 CPU kernels called directly (``sonar_core.layers.direct_layers``), on the same kernels through the
 layers' modules, and on PyTorch's operators alone (a second copy of the model, loaded with the
-kernels off: what machines without a compiler get, oneDNN's packed weights included); the four
+kernels off: what machines without a compiler get, oneDNN's packed weights included); they
 alternate step by step so that background load hits all alike; medians are reported.
+
+With ``--compiled-transformers`` transformers also runs compiled: ``torch.compile`` (inductor's
+CPU backend, weights frozen into the graph, one graph per step size) over a ``StaticCache``,
+which is what compiling a decoder stack with PyTorch's own compiler gives on this machine. Each
+step size compiles for about half a minute before it is timed.
 
     python -m sonar_core.models.step_benchmark --dtypes float32,bfloat16 --threads 2
 """
@@ -13,6 +18,7 @@ alternate step by step so that background load hits all alike; medians are repor
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -61,11 +67,12 @@ class CachedSteps:
 
 
 def compare(
-    model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int, batch: int = 1
-) -> list[tuple[int, float, float, float, float]]:
+    model: str | None, dtype: torch.dtype, context: int, new_tokens: list[int], iters: int, batch: int = 1,
+    compiled_transformers: bool = False,
+) -> list[tuple[float, ...]]:
     """``(q, ours_ms, ours_through_modules_ms, ours_on_pytorch_ops_ms, transformers_ms)`` medians for
     each step size ``q``, for ``batch`` sequences of ``context`` cached tokens each taking ``q`` new
-    tokens."""
+    tokens; with ``compiled_transformers``, transformers compiled (:class:`CompiledSteps`) last."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     loaded = load_model(model, dtype, "cpu")
@@ -77,6 +84,7 @@ def compare(
     steps_of = CachedSteps(ours, vocab_size, dtype, context, max(new_tokens), batch)
     ids = steps_of.ids
     results = []
+    compiled = CompiledSteps(theirs, ids, context, max(new_tokens), batch) if compiled_transformers else None
     with torch.inference_mode():
         cache = DynamicCache(config=theirs.config)
         theirs(ids[None, :context].expand(batch, -1), past_key_values=cache, use_cache=True)
@@ -100,9 +108,41 @@ def compare(
                 with cpu_kernels.disabled():
                     return steps_of.step(q, ours_without_kernels)
 
-            steps = (ours_step, ours_through_modules, ours_on_pytorch_ops, theirs_step)
+            steps = [ours_step, ours_through_modules, ours_on_pytorch_ops, theirs_step]
+            if compiled is not None:
+                steps.append(partial(compiled.step, q))
             results.append((q, *alternated_medians_ms(steps, iters, warmup=3)))
     return results
+
+
+class CompiledSteps:
+    """transformers' model compiled by ``torch.compile`` (inductor, frozen weights) over a
+    ``StaticCache`` that holds ``context`` tokens of ``ids``; each step writes ``q`` tokens after
+    them and is rewound, so every step sees the same cache, as :class:`CachedSteps` does."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, context: int, max_new_tokens: int, batch: int) -> None:
+        from transformers import StaticCache
+
+        self.ids, self.context, self.batch = ids, context, batch
+        self.cache = StaticCache(config=model.config, max_cache_len=context + max_new_tokens)
+        self.model = torch.compile(model, dynamic=False)
+        with torch.inference_mode():
+            model(ids[None, :context].expand(batch, -1), past_key_values=self.cache, use_cache=True,
+                  cache_position=torch.arange(context))
+
+    @torch.inference_mode()
+    def step(self, q: int) -> torch.Tensor:
+        import torch._inductor.config as inductor_config
+
+        # transformers 5's static layers count what they hold; rewinding the count rewinds the cache
+        # (earlier versions write where ``cache_position`` says).
+        for layer in getattr(self.cache, "layers", ()):
+            if getattr(layer, "cumulative_length", None) is not None:
+                layer.cumulative_length.fill_(self.context)
+        step_ids = self.ids[None, self.context : self.context + q].expand(self.batch, -1)
+        with inductor_config.patch(freezing=True):
+            return self.model(step_ids, past_key_values=self.cache, use_cache=True,
+                              cache_position=torch.arange(self.context, self.context + q)).logits
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per step, each with --context cached tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--compiled-transformers", action="store_true",
+                        help="also time transformers compiled by torch.compile (inductor, frozen weights)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     new_tokens = [int(q) for q in args.new_tokens.split(",")]
@@ -123,13 +165,15 @@ def main(argv: list[str] | None = None) -> None:
         f"Sonar's CPU kernels: {'built' if cpu_kernels.load() is not None else cpu_kernels.problem()}"
     )
     for name in args.dtypes.split(","):
-        rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters, args.batch)
-        for q, ours_ms, modules_ms, pytorch_ops_ms, theirs_ms in rows:
+        rows = compare(args.model, getattr(torch, name), args.context, new_tokens, args.iters, args.batch,
+                       args.compiled_transformers)
+        for q, ours_ms, modules_ms, pytorch_ops_ms, theirs_ms, *compiled_ms in rows:
+            compiled = "".join(f"   transformers compiled {ms:8.2f} ms ({ms / ours_ms:.2f}x)" for ms in compiled_ms)
             print(
-                f"{name:9s} q={q:<3d} sonar {ours_ms:8.2f} ms   through modules {modules_ms:8.2f} ms   "
+                f"{name:9s} q={int(q):<3d} sonar {ours_ms:8.2f} ms   through modules {modules_ms:8.2f} ms   "
                 f"sonar on PyTorch ops {pytorch_ops_ms:8.2f} ms   transformers {theirs_ms:8.2f} ms   "
                 f"direct calls {modules_ms / ours_ms:.2f}x   kernels {pytorch_ops_ms / ours_ms:.2f}x   "
-                f"vs transformers {theirs_ms / ours_ms:.2f}x"
+                f"vs transformers {theirs_ms / ours_ms:.2f}x{compiled}"
             )
 
 
