@@ -1,5 +1,5 @@
-"""The documentation stays true: every hook is documented and tested, and every test that the rule
-table of docs/configuration.md names exists."""
+"""The documentation stays true: every hook is documented and tested, every test that the rule
+table of docs/configuration.md names exists, and every link between the documents leads somewhere."""
 
 from __future__ import annotations
 
@@ -50,3 +50,32 @@ def test_the_supported_model_table_is_generated_from_the_registry():
     assert documented == supported_models_markdown(registry), (
         "docs/supported-models.md is stale: regenerate it with `aphrodite plugins --models --markdown`"
     )
+
+
+def _markdown_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("plugins/*/README.md"))]
+
+
+def _heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces to
+    hyphens (headings inside code blocks are not headings)."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#+ (.*)$", prose, re.MULTILINE)
+    }
+
+
+@pytest.mark.parametrize("document", _markdown_files(), ids=lambda path: str(path.relative_to(REPO)))
+def test_every_link_inside_the_repository_leads_somewhere(document):
+    prose = re.sub(r"```.*?```", "", document.read_text(), flags=re.DOTALL)
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", prose):
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address
+        linked = (document.parent / target).resolve() if target else document
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked.read_text()):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{document.name} links to what is not there: {broken}"
