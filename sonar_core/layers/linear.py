@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar_core import cpu_kernels
+from sonar_core.layers import parameter_epoch
 from sonar_core.layers.tensor_parallel import TensorParallel
 from sonar_core.layers.tensor_parallel import current as current_tensor_parallel
 
@@ -172,6 +173,7 @@ class Linear(nn.Linear):
     def unpack(self) -> None:
         """Forget the packed copies (the dense weight serves alone)."""
         self.packed_weight = self.skinny_weight = self.packed_from = None
+        parameter_epoch.advance()  # kernel arguments kept elsewhere may hold the dropped copy
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
         # A moved or cast weight invalidates the packed copies.

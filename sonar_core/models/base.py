@@ -13,7 +13,7 @@ from torch import nn
 
 from sonar_core.kv import KVCache, KVLayerSpec, StateLayerSpec
 from sonar_core.layers.attention import AttentionMetadata
-from sonar_core.layers.direct_layers import DirectLayer, run_layers
+from sonar_core.layers.direct_layers import DirectLayer, KeptArgsCheck, run_layers
 from sonar_core.layers.linear import Linear
 from sonar_core.models import hf_config_cache
 from sonar_core.models.hidden_capture import HiddenStateCapture
@@ -177,14 +177,16 @@ class LayerStackLM(CausalLM):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len)
         if capture is not None:
             capture.record(0, hidden)
-        hidden = run_layers(self.model.layers, self._direct_layers(), hidden, cos, sin, kv_caches, attn_metadata, capture)
+        direct, kept_args = self._direct_layers()
+        hidden = run_layers(self.model.layers, direct, hidden, cos, sin, kv_caches, attn_metadata, capture, kept_args)
         return self.model.norm(hidden)
 
-    def _direct_layers(self) -> list[DirectLayer | None]:
-        """Each layer's :class:`DirectLayer` form (None where it has none), made on first use."""
+    def _direct_layers(self) -> tuple[list[DirectLayer | None], KeptArgsCheck]:
+        """Each layer's :class:`DirectLayer` form (None where it has none) and the check of what
+        they keep between steps, made on first use."""
         direct = self.__dict__.get("_direct")
-        if direct is None or len(direct) != len(self.model.layers):
-            direct = [DirectLayer.of(layer) for layer in self.model.layers]
+        if direct is None or len(direct[0]) != len(self.model.layers):
+            direct = [DirectLayer.of(layer) for layer in self.model.layers], KeptArgsCheck()
             self.__dict__["_direct"] = direct
         return direct
 

@@ -180,7 +180,7 @@ def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner
     """A replaced layer, autograd, and a layer with an output gate (Qwen3-Next's attention)."""
     model = load_model(checkpoints.get("llama", num_layers=3), torch.float32, "cpu").model
     runner = paged_runner(model, block_size=4)
-    model._direct_layers()[0] = DirectLayer.of(model.model.layers[1])  # stale: not the layer it stands for
+    model._direct_layers()[0][0] = DirectLayer.of(model.model.layers[1])  # stale: not the layer it stands for
     _, _, calls = _run(model, paged_runner, [{"a": [1]}], monkeypatch, direct=True)
     assert (calls.layers, calls.stacks) == (model.num_layers - 1, 1)
 
@@ -240,5 +240,62 @@ def test_kept_kernel_arguments_follow_weights_and_caches(dtype, checkpoints, pag
     modules, _ = run(direct=False)
     # First step: both layers; a changed layer once more; the second runner's new caches: both again.
     assert reads == [2, 0, 1, 1, 0] + [2, 0, 1, 1, 0]
+    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
+        assert torch.equal(got, expected), f"step {number}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_model_checks_what_its_layers_keep_once_a_step(dtype, checkpoints, paged_runner, monkeypatch):
+    """While nothing changes, no layer checks its kept arguments itself (the model's one check
+    holds); a weight's data swapped, a packed copy made again, a norm replaced or a weight changed
+    in place each make the layers check themselves for that step, and the changed layer is read
+    again where its arguments went stale. Every step gives the modules' bits."""
+    steps = [{"a": [1, 2, 3]}] + [{"a": [token]} for token in range(4, 11)]
+
+    def change(model, number: int) -> None:
+        layer = model.model.layers[1]
+        with torch.no_grad():
+            if number == 2:
+                layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data * 2
+            if number == 4:
+                layer.mlp.gate_up_proj.pack()
+            if number == 5:
+                norm = layer.input_layernorm
+                norm.weight = torch.nn.Parameter(norm.weight * 0.5, requires_grad=False)
+            if number == 6:
+                layer.self_attn.qkv_proj.weight.mul_(0.5)
+
+    def run(direct: bool):
+        model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
+        checks: list[int] = []
+        reads: list[int] = []
+        with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
+            packed_weights, own_check = DirectLayer.packed_weights, direct_layers.LayerKernelArgs.reads
+
+            def counted_read(self, *args):
+                reads[-1] += 1
+                return packed_weights(self, *args)
+
+            def counted_check(self, *args):
+                checks[-1] += 1
+                return own_check(self, *args)
+
+            patch.setattr(DirectLayer, "packed_weights", counted_read)
+            patch.setattr(direct_layers.LayerKernelArgs, "reads", counted_check)
+            if not direct:
+                stack.enter_context(through_modules())
+            runner = paged_runner(model, block_size=4)
+            logits = []
+            for number, new in enumerate(steps):
+                change(model, number)
+                checks.append(0)
+                reads.append(0)
+                logits.append(runner.step(new)[0]["a"])
+        return logits, checks, reads
+
+    direct, checks, reads = run(direct=True)
+    modules, _, _ = run(direct=False)
+    assert checks == [0, 0, 2, 0, 2, 2, 2, 0]
+    assert reads == [2, 0, 1, 0, 1, 1, 1, 0]
     for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
         assert torch.equal(got, expected), f"step {number}"
