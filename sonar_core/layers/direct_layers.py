@@ -281,10 +281,11 @@ class KeptArgsCheck:
                 return False
         return bool(ops.same_stamps(self._watched, self._stamps))
 
-    def remember(self, ops: Any, direct: Sequence[DirectLayer | None], dtype: torch.dtype) -> None:
-        """Remember what each layer keeps for ``dtype`` right after the layers checked themselves
-        (a layer keeping nothing for it leaves nothing to remember)."""
-        kept = [None if plan is None else plan._kernel_args.get(dtype) for plan in direct]
+    def remember(self, ops: Any, direct: Sequence[DirectLayer | None], used: Sequence[LayerKernelArgs | None]) -> None:
+        """Remember the arguments each layer's own check gave this step (``used[i]``: layer i's,
+        None where it ran its module). Only a step whose every direct layer took its kept
+        arguments leaves something to trust: a layer that ran its module stays checked by itself."""
+        kept = list(used)
         if any(args is None for plan, args in zip(direct, kept, strict=True) if plan is not None):
             self._stamps = None
             return
@@ -379,11 +380,13 @@ def run_layers(
     stacks = attends_in_place(metadata, hidden.dtype)
     stack: list[StackEntries] = []
     captured: list[tuple[int, int]] = []  # the run's states to record: (layers into the run, state)
+    used: list[LayerKernelArgs | None] = []  # each layer's kernel arguments this step
     for index, layer in enumerate(layers):
         plan = direct[index]
         args = None
         if ops is not None and plan is not None and plan.module is layer:
             args = plan.kernel_args(hidden, kv_caches[index], known_current)
+        used.append(args)
         wanted = capture is not None and capture.wants(index + 1)
         if args is not None and plan is not None and plan.stackable and stacks:
             stack.append(args.entries)
@@ -403,7 +406,7 @@ def run_layers(
         if capture is not None and wanted:
             capture.record(index + 1, hidden)
     if ops is not None and kept_args is not None and not known_current:
-        kept_args.remember(ops, direct, hidden.dtype)
+        kept_args.remember(ops, direct, used)
     return hidden
 
 

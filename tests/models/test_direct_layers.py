@@ -249,8 +249,9 @@ def test_a_model_checks_what_its_layers_keep_once_a_step(dtype, checkpoints, pag
     """While nothing changes, no layer checks its kept arguments itself (the model's one check
     holds); a weight's data swapped, a packed copy made again, a norm replaced or a weight changed
     in place each make the layers check themselves for that step, and the changed layer is read
-    again where its arguments went stale. Every step gives the modules' bits."""
-    steps = [{"a": [1, 2, 3]}] + [{"a": [token]} for token in range(4, 11)]
+    again where its arguments went stale. A layer that then runs its module (a projection no
+    longer packed) keeps the model from trusting what the layers keep. Every step gives the modules' bits."""
+    steps = [{"a": [1, 2, 3]}] + [{"a": [token]} for token in range(4, 13)]
 
     def change(model, number: int) -> None:
         layer = model.model.layers[1]
@@ -264,6 +265,8 @@ def test_a_model_checks_what_its_layers_keep_once_a_step(dtype, checkpoints, pag
                 norm.weight = torch.nn.Parameter(norm.weight * 0.5, requires_grad=False)
             if number == 6:
                 layer.self_attn.qkv_proj.weight.mul_(0.5)
+            if number == 8:
+                layer.mlp.down_proj.unpack()
 
     def run(direct: bool):
         model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
@@ -295,7 +298,7 @@ def test_a_model_checks_what_its_layers_keep_once_a_step(dtype, checkpoints, pag
 
     direct, checks, reads = run(direct=True)
     modules, _, _ = run(direct=False)
-    assert checks == [0, 0, 2, 0, 2, 2, 2, 0]
-    assert reads == [2, 0, 1, 0, 1, 1, 1, 0]
+    assert checks == [0, 0, 2, 0, 2, 2, 2, 0, 2, 2]
+    assert reads == [2, 0, 1, 0, 1, 1, 1, 0, 1, 1]
     for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
         assert torch.equal(got, expected), f"step {number}"
