@@ -120,17 +120,13 @@ class DirectLayer:
         """Whether the ``decoder_layers`` kernel runs this layer (it has no per-head q/k norms)."""
         return self.q_norm is None
 
-    def kernel_args(self, hidden: torch.Tensor, kv_cache: KVCache, known_current: bool = False) -> LayerKernelArgs | None:
+    def kernel_args(self, hidden: torch.Tensor, kv_cache: KVCache) -> LayerKernelArgs | None:
         """What the kernels read for this layer on ``hidden`` (:meth:`packed_weights` and
         :meth:`stack_entries`), or None where a module would not take the kernel. Kept per dtype
         and read again only when a module's tensor or the cache changed: reading them for every
-        layer of every step cost about 0.4 ms a SmolLM2 decode step of 8.5 (AMD EPYC, 2 threads).
-        ``known_current``: the kept arguments were checked for this step already
-        (:class:`KeptArgsCheck`), so they are not checked again here."""
+        layer of every step cost about 0.4 ms a SmolLM2 decode step of 8.5 (AMD EPYC, 2 threads)."""
         args = self._kernel_args.get(hidden.dtype)
-        if args is not None and (
-            known_current or (hidden.shape[0] <= args.max_rows and args.reads(self, kv_cache))
-        ):
+        if args is not None and hidden.shape[0] <= args.max_rows and args.reads(self, kv_cache):
             return args
         packed = self.packed_weights(hidden, kv_cache)
         if packed is None:
@@ -245,55 +241,56 @@ class LayerKernelArgs:
 
 
 class KeptArgsCheck:
-    """Whether every layer's kept kernel arguments still hold, for a whole model in one check a step.
+    """The kernel arguments a model's layers used in the last step that checked them, for as long
+    as they still hold: one check a step for the whole model.
 
     Why: :meth:`LayerKernelArgs.reads` asks each layer's modules for their tensors, about 11 us a
     layer once a step's weights have swept the caches (0.35 ms of a 13 ms SmolLM2 decode step on
-    a Xeon with AMX). Here a step compares the arguments the layers keep with those remembered
-    after the last full check, the caches by identity, :mod:`parameter_epoch` (no parameter or
-    packed copy swapped) and, in one kernel call, the stamps of every projection weight the packed
-    copies were made from (none changed in place). Where anything differs the layers check
-    themselves as before, and what they then keep is remembered for the next step.
+    a Xeon with AMX). Here a step compares the caches by identity, :mod:`parameter_epoch` (no
+    parameter or packed copy swapped) and, in one kernel call, the stamps of every projection
+    weight the packed copies were made from (none changed in place). Where anything differs the
+    layers check themselves as before, and what they then use is remembered for the next step.
     """
 
     def __init__(self) -> None:
-        self._kept: list[LayerKernelArgs | None] = []
+        self._used: list[LayerKernelArgs | None] = []
         self._watched: list[torch.Tensor] = []
-        self._stamps: torch.Tensor | None = None
+        self._stamps: torch.Tensor | None = None  # None: nothing to trust
         self._epoch = -1
+        self._dtype: torch.dtype | None = None
         self._max_rows = 0
 
-    def holds(self, ops: Any, direct: Sequence[DirectLayer | None], hidden: torch.Tensor, kv_caches: Sequence[KVCache]) -> bool:
-        """Whether the arguments each layer keeps for ``hidden``'s dtype are the ones remembered and
-        still current for this step's ``kv_caches``."""
-        if self._stamps is None or self._epoch != parameter_epoch.current() or hidden.shape[0] > self._max_rows:
-            return False
-        dtype = hidden.dtype
-        kept = self._kept
-        if len(kept) != len(direct):
-            return False
-        for plan, args, kv_cache in zip(direct, kept, kv_caches, strict=True):
-            if plan is None:
-                continue
-            if args is None or plan._kernel_args.get(dtype) is not args:
-                return False
-            if kv_cache[0] is not args.kv_cache[0] or kv_cache[1] is not args.kv_cache[1]:
-                return False
-        return bool(ops.same_stamps(self._watched, self._stamps))
+    def current(self, ops: Any, hidden: torch.Tensor, kv_caches: Sequence[KVCache]) -> list[LayerKernelArgs | None] | None:
+        """Each layer's remembered arguments (None for a layer without a direct form) where they
+        still hold for ``hidden`` and this step's ``kv_caches``; None where the layers must check
+        themselves."""
+        if (
+            self._stamps is None
+            or self._epoch != parameter_epoch.current()
+            or hidden.dtype != self._dtype
+            or hidden.shape[0] > self._max_rows
+        ):
+            return None
+        for args, kv_cache in zip(self._used, kv_caches, strict=True):
+            if args is not None and (kv_cache[0] is not args.kv_cache[0] or kv_cache[1] is not args.kv_cache[1]):
+                return None
+        return self._used if ops.same_stamps(self._watched, self._stamps) else None
 
-    def remember(self, ops: Any, direct: Sequence[DirectLayer | None], used: Sequence[LayerKernelArgs | None]) -> None:
+    def remember(
+        self, ops: Any, direct: Sequence[DirectLayer | None], used: list[LayerKernelArgs | None], dtype: torch.dtype
+    ) -> None:
         """Remember the arguments each layer's own check gave this step (``used[i]``: layer i's,
-        None where it ran its module). Only a step whose every direct layer took its kept
+        None where it ran its module). Only a step whose every direct layer took its kernel
         arguments leaves something to trust: a layer that ran its module stays checked by itself."""
-        kept = list(used)
-        if any(args is None for plan, args in zip(direct, kept, strict=True) if plan is not None):
+        if any(args is None for plan, args in zip(direct, used, strict=True) if plan is not None):
             self._stamps = None
             return
-        present = [args for args in kept if args is not None]
-        self._kept = kept
+        present = [args for args in used if args is not None]
+        self._used = used
         self._watched = [weight for args in present for weight in args.weights]
         self._stamps = ops.tensor_stamps(self._watched)
         self._epoch = parameter_epoch.current()
+        self._dtype = dtype
         self._max_rows = min((args.max_rows for args in present), default=0)
 
 
@@ -372,10 +369,11 @@ def run_layers(
     the states after the layers it asks for. ``kept_args``: the model's check of its layers' kept
     kernel arguments, kept across steps (without it each layer checks its own)."""
     ops = _kernels_for(hidden)
-    known_current = False
+    trusted = None  # the layers' kernel arguments where kept_args vouches for them this step
     if ops is not None:
         flat_cos, flat_sin = _flat_tables(cos, signed_sin)
-        known_current = kept_args is not None and kept_args.holds(ops, direct, hidden, kv_caches)
+        if kept_args is not None:
+            trusted = kept_args.current(ops, hidden, kv_caches)
     # The stack kernel attends in place; a step with longer rows runs its layers one by one.
     stacks = attends_in_place(metadata, hidden.dtype)
     stack: list[StackEntries] = []
@@ -385,7 +383,7 @@ def run_layers(
         plan = direct[index]
         args = None
         if ops is not None and plan is not None and plan.module is layer:
-            args = plan.kernel_args(hidden, kv_caches[index], known_current)
+            args = trusted[index] if trusted is not None else plan.kernel_args(hidden, kv_caches[index])
         used.append(args)
         wanted = capture is not None and capture.wants(index + 1)
         if args is not None and plan is not None and plan.stackable and stacks:
@@ -405,8 +403,8 @@ def run_layers(
             hidden = layer(hidden, cos, signed_sin, kv_caches[index], metadata)
         if capture is not None and wanted:
             capture.record(index + 1, hidden)
-    if ops is not None and kept_args is not None and not known_current:
-        kept_args.remember(ops, direct, used)
+    if ops is not None and kept_args is not None and trusted is None:
+        kept_args.remember(ops, direct, used, hidden.dtype)
     return hidden
 
 
