@@ -199,6 +199,47 @@ def test_steps_the_kernels_do_not_take_run_the_modules(checkpoints, paged_runner
     assert DirectLayer.of(gated) is None
 
 
+def _runs_with_changes(dtype, checkpoints, paged_runner, monkeypatch, steps, change, runners: int):
+    """``steps`` on a two-layer Llama, ``change(model, number)`` before step ``number``, run once
+    directly and once through the modules, each over ``runners`` runners in turn (fresh caches
+    each); every step must give the modules' bits. Returns, step by step of the direct run, how
+    often layers checked their kept arguments themselves and how often they read them anew."""
+
+    def run(direct: bool):
+        model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
+        checks: list[int] = []
+        reads: list[int] = []
+        with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
+            packed_weights, own_check = DirectLayer.packed_weights, direct_layers.LayerKernelArgs.reads
+
+            def counted_read(self, *args):
+                reads[-1] += 1
+                return packed_weights(self, *args)
+
+            def counted_check(self, *args):
+                checks[-1] += 1
+                return own_check(self, *args)
+
+            patch.setattr(DirectLayer, "packed_weights", counted_read)
+            patch.setattr(direct_layers.LayerKernelArgs, "reads", counted_check)
+            if not direct:
+                stack.enter_context(through_modules())
+            logits = []
+            for runner in [paged_runner(model, block_size=4) for _ in range(runners)]:
+                for number, new in enumerate(steps):
+                    change(model, number)
+                    checks.append(0)
+                    reads.append(0)
+                    logits.append(runner.step(new)[0]["a"])
+        return logits, checks, reads
+
+    direct, checks, reads = run(direct=True)
+    modules, _, _ = run(direct=False)
+    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
+        assert torch.equal(got, expected), f"step {number}"
+    return checks, reads
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kept_kernel_arguments_follow_weights_and_caches(dtype, checkpoints, paged_runner, monkeypatch):
     """Each layer's kernel arguments are read once and kept while what they were read from holds.
@@ -215,33 +256,9 @@ def test_kept_kernel_arguments_follow_weights_and_caches(dtype, checkpoints, pag
                 norm = layer.post_attention_layernorm
                 norm.weight = torch.nn.Parameter(norm.weight * 0.5, requires_grad=False)
 
-    def run(direct: bool):
-        model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
-        reads: list[int] = []
-        with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
-            packed_weights = DirectLayer.packed_weights
-
-            def counted(self, *args):
-                reads[-1] += 1
-                return packed_weights(self, *args)
-
-            patch.setattr(DirectLayer, "packed_weights", counted)
-            if not direct:
-                stack.enter_context(through_modules())
-            logits = []
-            for runner in (paged_runner(model, block_size=4), paged_runner(model, block_size=4)):
-                for number, new in enumerate(steps):
-                    change(model, number)
-                    reads.append(0)
-                    logits.append(runner.step(new)[0]["a"])
-        return logits, reads
-
-    direct, reads = run(direct=True)
-    modules, _ = run(direct=False)
+    _, reads = _runs_with_changes(dtype, checkpoints, paged_runner, monkeypatch, steps, change, runners=2)
     # First step: both layers; a changed layer once more; the second runner's new caches: both again.
     assert reads == [2, 0, 1, 1, 0] + [2, 0, 1, 1, 0]
-    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
-        assert torch.equal(got, expected), f"step {number}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -268,37 +285,6 @@ def test_a_model_checks_what_its_layers_keep_once_a_step(dtype, checkpoints, pag
             if number == 8:
                 layer.mlp.down_proj.unpack()
 
-    def run(direct: bool):
-        model = load_model(checkpoints.get("llama", num_layers=2), dtype, "cpu").model
-        checks: list[int] = []
-        reads: list[int] = []
-        with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
-            packed_weights, own_check = DirectLayer.packed_weights, direct_layers.LayerKernelArgs.reads
-
-            def counted_read(self, *args):
-                reads[-1] += 1
-                return packed_weights(self, *args)
-
-            def counted_check(self, *args):
-                checks[-1] += 1
-                return own_check(self, *args)
-
-            patch.setattr(DirectLayer, "packed_weights", counted_read)
-            patch.setattr(direct_layers.LayerKernelArgs, "reads", counted_check)
-            if not direct:
-                stack.enter_context(through_modules())
-            runner = paged_runner(model, block_size=4)
-            logits = []
-            for number, new in enumerate(steps):
-                change(model, number)
-                checks.append(0)
-                reads.append(0)
-                logits.append(runner.step(new)[0]["a"])
-        return logits, checks, reads
-
-    direct, checks, reads = run(direct=True)
-    modules, _, _ = run(direct=False)
+    checks, reads = _runs_with_changes(dtype, checkpoints, paged_runner, monkeypatch, steps, change, runners=1)
     assert checks == [0, 0, 2, 0, 2, 2, 2, 0, 2, 2]
     assert reads == [2, 0, 1, 0, 1, 1, 1, 0, 1, 1]
-    for number, (got, expected) in enumerate(zip(direct, modules, strict=True)):
-        assert torch.equal(got, expected), f"step {number}"
