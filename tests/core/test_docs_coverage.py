@@ -3,6 +3,7 @@ table of docs/configuration.md names exists, and every link between the document
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -56,26 +57,32 @@ def _markdown_files() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("plugins/*/README.md"))]
 
 
-def _heading_anchors(text: str) -> set[str]:
+@functools.cache
+def _prose(document: Path) -> str:
+    """A Markdown document without its code blocks (a ``#`` line there is no heading, a ``](``
+    no link)."""
+    return re.sub(r"```.*?```", "", document.read_text(), flags=re.DOTALL)
+
+
+@functools.cache
+def _heading_anchors(document: Path) -> frozenset[str]:
     """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces to
-    hyphens (headings inside code blocks are not headings)."""
-    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
-    return {
+    hyphens."""
+    return frozenset(
         re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        for heading in re.findall(r"^#+ (.*)$", prose, re.MULTILINE)
-    }
+        for heading in re.findall(r"^#+ (.*)$", _prose(document), re.MULTILINE)
+    )
 
 
 @pytest.mark.parametrize("document", _markdown_files(), ids=lambda path: str(path.relative_to(REPO)))
 def test_every_link_inside_the_repository_leads_somewhere(document):
-    prose = re.sub(r"```.*?```", "", document.read_text(), flags=re.DOTALL)
     broken = []
-    for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", prose):
+    for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", _prose(document)):
         if re.match(r"[a-z]+:", target):
             continue  # a web address
         linked = (document.parent / target).resolve() if target else document
         if not linked.exists():
             broken.append(target)
-        elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked.read_text()):
+        elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked):
             broken.append(f"{target}#{anchor}")
     assert not broken, f"{document.name} links to what is not there: {broken}"
