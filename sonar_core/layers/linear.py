@@ -183,7 +183,8 @@ class Linear(nn.Linear):
 
 def _identity(weight: torch.Tensor) -> tuple[int, int]:
     """What tells a weight changed since it was packed: its storage and its in-place version
-    (tensors made under ``torch.inference_mode`` keep no version; only their storage tells)."""
+    (tensors made under ``torch.inference_mode`` keep no version; only their storage tells). The
+    kernels' ``tensor_stamps`` stamp a whole model's weights by the same rule."""
     return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
 

@@ -11,7 +11,8 @@
 namespace {
 
 // (data address, in-place version) of one tensor; tensors made under inference mode keep no
-// version, so only their address tells (-1 in its place).
+// version, so only their address tells (-1 in its place). The same rule as `_identity` in
+// sonar_core/layers/linear.py, which tells a projection to pack its weight again: keep them alike.
 void stamp(const at::Tensor& tensor, int64_t* out) {
   out[0] = reinterpret_cast<int64_t>(tensor.data_ptr());
   out[1] = tensor.is_inference() ? -1 : static_cast<int64_t>(tensor._version());
